@@ -1,0 +1,147 @@
+"""PlatConfig: one configuration for the p-LaT language model and the p-LaT vision transformer."""
+
+import math
+
+from transformers import PretrainedConfig
+
+from .plap_attention import BACKENDS, FORMULATIONS
+
+
+def paper_p_mix(num_heads):
+    """The paper's head mix: the first ceil(H / 2) heads with p = 1.5, the others with p = 2.5."""
+    num_low = (num_heads + 1) // 2
+    return [1.5] * num_low + [2.5] * (num_heads - num_low)
+
+
+class PlatConfig(PretrainedConfig):
+    r"""Configuration of a p-Laplacian Transformer (p-LaT, arXiv 2311.03235).
+
+    The language model (`PlatForCausalLM`) reads the text fields, the vision transformer
+    (`PlatForImageClassification`) the image fields; both read the shared transformer and p-LaT fields.
+
+    Args:
+        vocab_size (`int`, defaults to 10000): text vocabulary size.
+        hidden_size (`int`, defaults to 128): width of the residual stream.
+        num_hidden_layers (`int`, defaults to 4): number of transformer blocks.
+        num_attention_heads (`int`, defaults to 8): heads per block; must divide `hidden_size`.
+        intermediate_size (`int`, defaults to 4 * hidden_size): MLP width.
+        hidden_act (`str`, defaults to `"gelu"`): MLP activation (any key of `transformers.activations.ACT2FN`).
+        hidden_dropout_prob (`float`, defaults to 0.0): dropout on embeddings and residual branches.
+        attention_probs_dropout_prob (`float`, defaults to 0.0): dropout on the effective attention weights.
+        max_position_embeddings (`int`, defaults to 256): longest text sequence (learned positions).
+        layer_norm_eps (`float`, defaults to 1e-5): LayerNorm epsilon.
+        initializer_range (`float`, defaults to 0.02): std of the normal weight init.
+        qkv_bias (`bool`, defaults to `True`): biases on the query, key and value projections.
+        tie_word_embeddings (`bool`, defaults to `True`): share the LM head with the token embeddings.
+        image_size (`int`, defaults to 224), patch_size (`int`, defaults to 16), num_channels (`int`, defaults to 3):
+            vision input; `image_size` must be a multiple of `patch_size`.
+        plap_p (`float`, `list[float]` or `list[list[float]]`, defaults to the paper's mix): the exponent p,
+            one for all heads, one per head (shared by all layers) or one per layer and head. `p = 2` is
+            softmax attention. The default is the paper's mix: ceil(H / 2) heads with p = 1.5, the rest 2.5.
+        plap_eps (`float`, defaults to 1e-6): added to squared value distances before the power.
+        plap_formulation (`str`, defaults to `"paper"`): `"paper"` (eq. 12) or `"euler"` (exact Euler step
+            of the gradient flow, no self-weight singularity).
+        plap_backend (`str`, defaults to `"auto"`): attention kernel, see `modeling_plat.plap_attention.BACKENDS`.
+    """
+
+    model_type = "plat"
+    keys_to_ignore_at_inference = ["past_key_values"]
+
+    def __init__(
+        self,
+        vocab_size=10000,
+        hidden_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        intermediate_size=None,
+        hidden_act="gelu",
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        max_position_embeddings=256,
+        layer_norm_eps=1e-5,
+        initializer_range=0.02,
+        qkv_bias=True,
+        use_cache=True,
+        tie_word_embeddings=True,
+        image_size=224,
+        patch_size=16,
+        num_channels=3,
+        plap_p=None,
+        plap_eps=1e-6,
+        plap_formulation="paper",
+        plap_backend="auto",
+        **kwargs,
+    ):
+        self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
+        self.num_hidden_layers = num_hidden_layers
+        self.num_attention_heads = num_attention_heads
+        self.intermediate_size = 4 * hidden_size if intermediate_size is None else intermediate_size
+        self.hidden_act = hidden_act
+        self.hidden_dropout_prob = hidden_dropout_prob
+        self.attention_probs_dropout_prob = attention_probs_dropout_prob
+        self.max_position_embeddings = max_position_embeddings
+        self.layer_norm_eps = layer_norm_eps
+        self.initializer_range = initializer_range
+        self.qkv_bias = qkv_bias
+        self.use_cache = use_cache
+        self.image_size = image_size
+        self.patch_size = patch_size
+        self.num_channels = num_channels
+        self.plap_p = paper_p_mix(num_attention_heads) if plap_p is None else plap_p
+        self.plap_eps = plap_eps
+        self.plap_formulation = plap_formulation
+        self.plap_backend = plap_backend
+        self.tie_word_embeddings = tie_word_embeddings
+        super().__init__(**kwargs)
+        self.validate_plat()
+
+    def validate_plat(self):
+        """Raise a ValueError naming the field for any inconsistent p-LaT or shape setting."""
+        for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "patch_size",
+                     "image_size", "num_channels", "vocab_size", "max_position_embeddings"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer; got {value!r}")
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
+                f"({self.num_attention_heads})"
+            )
+        if self.image_size % self.patch_size:
+            raise ValueError(f"image_size ({self.image_size}) must be a multiple of patch_size ({self.patch_size})")
+        if not (isinstance(self.plap_eps, (int, float)) and math.isfinite(self.plap_eps) and self.plap_eps > 0):
+            raise ValueError(f"plap_eps must be a finite number > 0; got {self.plap_eps!r}")
+        if self.plap_formulation not in FORMULATIONS:
+            raise ValueError(f"plap_formulation must be one of {FORMULATIONS}; got {self.plap_formulation!r}")
+        if self.plap_backend not in BACKENDS:
+            raise ValueError(f"plap_backend must be one of {BACKENDS}; got {self.plap_backend!r}")
+        self.p_per_layer()  # validates plap_p
+
+    def p_per_layer(self):
+        """plap_p expanded to a (num_hidden_layers x num_attention_heads) list of lists of floats."""
+        layers, heads, p = self.num_hidden_layers, self.num_attention_heads, self.plap_p
+        if isinstance(p, (int, float)) and not isinstance(p, bool):
+            table = [[p] * heads] * layers
+        elif isinstance(p, (list, tuple)) and p and all(isinstance(row, (list, tuple)) for row in p):
+            if len(p) != layers or any(len(row) != heads for row in p):
+                raise ValueError(
+                    f"plap_p as a list of lists needs {layers} rows (num_hidden_layers) of {heads} values "
+                    f"(num_attention_heads); got {[len(row) for row in p]} values per row"
+                )
+            table = [list(row) for row in p]
+        elif isinstance(p, (list, tuple)):
+            if len(p) != heads:
+                raise ValueError(
+                    f"plap_p as a list needs one value per head ({heads} = num_attention_heads); got {len(p)}"
+                )
+            table = [list(p)] * layers
+        else:
+            raise ValueError(f"plap_p must be a number, a list per head or a list per layer of lists; got {p!r}")
+        for row in table:
+            for value in row:
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                    raise ValueError(f"plap_p values must be finite numbers; got {value!r}")
+                if value < 1:
+                    raise ValueError(f"plap_p values must be >= 1 (p < 1 is not a p-Laplacian); got {value}")
+        return [[float(v) for v in row] for row in table]

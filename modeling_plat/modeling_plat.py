@@ -1,0 +1,507 @@
+"""p-Laplacian Transformer (p-LaT, arXiv 2311.03235) models: a GPT-2-style causal LM and a ViT/DeiT-style classifier.
+
+Reading order: attention -> MLP -> layer -> pre-trained base -> text trunk and LM head -> vision trunk and
+classifier. Both families share the layer; only the mask (causal or not) and the embeddings differ.
+"""
+
+import math
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+from transformers import initialization as init
+from transformers.activations import ACT2FN
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.generation import GenerationMixin
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import (
+    BaseModelOutput,
+    BaseModelOutputWithPast,
+    BaseModelOutputWithPooling,
+    CausalLMOutputWithPast,
+    ImageClassifierOutput,
+)
+from transformers.utils.generic import can_return_tuple
+
+from .configuration_plat import PlatConfig
+from .plap_attention import plap_attention, plap_attention_weights
+
+
+class PlatAttention(nn.Module):
+    """Multi-head p-Laplacian self-attention (eq. 12) with one exponent p per head."""
+
+    def __init__(self, config: PlatConfig, layer_idx: int, is_causal: bool):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.is_causal = is_causal
+        self.num_heads = config.num_attention_heads
+        self.head_dim = config.hidden_size // config.num_attention_heads
+        self.q_proj = nn.Linear(config.hidden_size, config.hidden_size, bias=config.qkv_bias)
+        self.k_proj = nn.Linear(config.hidden_size, config.hidden_size, bias=config.qkv_bias)
+        self.v_proj = nn.Linear(config.hidden_size, config.hidden_size, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(config.hidden_size, config.hidden_size)
+        self.attn_dropout = nn.Dropout(config.attention_probs_dropout_prob)
+        # A buffer, not a parameter: p is fixed by the config and follows the model across devices.
+        self.register_buffer("plap_p", torch.tensor(config.p_per_layer()[layer_idx]), persistent=False)
+
+    def forward(self, hidden_states, attn_mask=None, past_key_values=None, output_attentions=False):
+        batch, length, _ = hidden_states.shape
+        heads_shape = (batch, length, self.num_heads, self.head_dim)
+        query = self.q_proj(hidden_states).view(heads_shape).transpose(1, 2)  # (B, H, N, d)
+        key = self.k_proj(hidden_states).view(heads_shape).transpose(1, 2)  # (B, H, N, d)
+        value = self.v_proj(hidden_states).view(heads_shape).transpose(1, 2)  # (B, H, N, d)
+        if past_key_values is not None:
+            key, value = past_key_values.update(key, value, self.layer_idx)  # (B, H, T, d)
+
+        attn_args = (query, key, value, self.plap_p, attn_mask, self.is_causal, self.config.plap_eps,
+                     self.config.plap_formulation)
+        weights = None
+        if output_attentions or (self.training and self.attn_dropout.p > 0):
+            # Only the reference materialises the (B, H, N, T) weights that these two need.
+            weights = self.attn_dropout(plap_attention_weights(*attn_args))
+            attn_output = (weights @ value.to(weights.dtype)).to(query.dtype)
+            weights = weights.to(query.dtype)
+        else:
+            attn_output = plap_attention(*attn_args, backend=self.config.plap_backend)
+        attn_output = attn_output.transpose(1, 2).reshape(batch, length, -1)  # (B, N, H * d)
+        return self.o_proj(attn_output), weights
+
+
+class PlatMLP(nn.Module):
+    def __init__(self, config: PlatConfig):
+        super().__init__()
+        self.fc1 = nn.Linear(config.hidden_size, config.intermediate_size)
+        self.act = ACT2FN[config.hidden_act]
+        self.fc2 = nn.Linear(config.intermediate_size, config.hidden_size)
+
+    def forward(self, hidden_states):
+        return self.fc2(self.act(self.fc1(hidden_states)))
+
+
+class PlatLayer(GradientCheckpointingLayer):
+    """Pre-LayerNorm transformer block: x + Attn(LN(x)), then x + MLP(LN(x))."""
+
+    def __init__(self, config: PlatConfig, layer_idx: int, is_causal: bool):
+        super().__init__()
+        self.attn_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.attention = PlatAttention(config, layer_idx, is_causal)
+        self.mlp_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.mlp = PlatMLP(config)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+
+    def forward(self, hidden_states, attn_mask=None, past_key_values=None, output_attentions=False):
+        attn_output, weights = self.attention(
+            self.attn_norm(hidden_states), attn_mask, past_key_values, output_attentions
+        )
+        hidden_states = hidden_states + self.dropout(attn_output)
+        hidden_states = hidden_states + self.dropout(self.mlp(self.mlp_norm(hidden_states)))
+        return hidden_states, weights
+
+
+def run_layers(layers, hidden_states, attn_mask, past_key_values, output_attentions, output_hidden_states):
+    """The stack of blocks shared by both trunks; collects hidden states and weights when asked."""
+    all_hidden_states = (hidden_states,) if output_hidden_states else None
+    all_attentions = () if output_attentions else None
+    for layer in layers:
+        hidden_states, weights = layer(
+            hidden_states, attn_mask=attn_mask, past_key_values=past_key_values, output_attentions=output_attentions
+        )
+        if output_attentions:
+            all_attentions += (weights,)
+        if output_hidden_states:
+            all_hidden_states += (hidden_states,)
+    return hidden_states, all_hidden_states, all_attentions
+
+
+class PlatPreTrainedModel(PreTrainedModel):
+    config_class = PlatConfig
+    config: PlatConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["PlatLayer", "PlatVisionEmbeddings"]
+    _skip_keys_device_placement = ["past_key_values"]
+    # p-LaT attention is chosen by config.plap_backend, which is saved with the model; attn_implementation is
+    # not, and a reloaded model must never fall back to softmax attention.
+    _supports_sdpa = False
+    _supports_flash_attn = False
+    _supports_flex_attn = False
+    # Auto classes a saved checkpoint names in auto_map for remote code: the trunk and the head of its family.
+    _family_auto_map = {}
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        self.config.auto_map = {**(getattr(self.config, "auto_map", None) or {}), **self._family_auto_map}
+        return super().save_pretrained(save_directory, *args, **kwargs)
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        """GPT-2 / ViT init: N(0, initializer_range), residual projections scaled by 1 / sqrt(2 * layers)."""
+        super()._init_weights(module)
+        std = self.config.initializer_range
+        if isinstance(module, PlatAttention):
+            init.copy_(module.plap_p, torch.tensor(self.config.p_per_layer()[module.layer_idx]))
+            init.normal_(module.o_proj.weight, mean=0.0, std=std / math.sqrt(2 * self.config.num_hidden_layers))
+        elif isinstance(module, PlatMLP):
+            init.normal_(module.fc2.weight, mean=0.0, std=std / math.sqrt(2 * self.config.num_hidden_layers))
+        elif isinstance(module, PlatVisionEmbeddings):
+            init.trunc_normal_(module.position_embeddings, mean=0.0, std=std)
+            init.trunc_normal_(module.cls_token, mean=0.0, std=std)
+
+
+def _check_range(name, tensor, low, high, hint):
+    """Clear error for indices outside [low, high), skipped while compiling (data-dependent)."""
+    if torch.compiler.is_compiling() or tensor.numel() == 0:
+        return
+    lowest, highest = int(tensor.min()), int(tensor.max())
+    if lowest < low or highest >= high:
+        raise ValueError(f"{name} must lie in [{low}, {high - 1}] ({hint}); got values in [{lowest}, {highest}]")
+
+
+TEXT_AUTO_MAP = {"AutoModel": "modeling_plat.PlatModel", "AutoModelForCausalLM": "modeling_plat.PlatForCausalLM"}
+VISION_AUTO_MAP = {
+    "AutoModel": "modeling_plat.PlatVisionModel",
+    "AutoModelForImageClassification": "modeling_plat.PlatForImageClassification",
+}
+
+
+class PlatModel(PlatPreTrainedModel):
+    """Decoder-only p-LaT trunk: token + learned position embeddings, causal pre-LN blocks, final LayerNorm."""
+
+    _family_auto_map = TEXT_AUTO_MAP
+
+    def __init__(self, config: PlatConfig):
+        super().__init__(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_positions = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+        self.layers = nn.ModuleList(PlatLayer(config, i, is_causal=True) for i in range(config.num_hidden_layers))
+        self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.embed_tokens = value
+
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        past_key_values: Cache | None = None,
+        inputs_embeds=None,
+        use_cache=None,
+        output_attentions=None,
+        output_hidden_states=None,
+        **kwargs,
+    ) -> BaseModelOutputWithPast:
+        """
+        input_ids (`torch.LongTensor` of shape `(B, N)`) or inputs_embeds (`(B, N, hidden_size)`): the new tokens.
+        attention_mask (`(B, past + N)`, 1 = real token, 0 = padding): left or right padding.
+        position_ids (`(B, N)`): defaults to the count of real tokens before each one, so left padding
+            gives the same logits as no padding.
+        """
+        output_attentions = self.config.output_attentions if output_attentions is None else output_attentions
+        output_hidden_states = (
+            self.config.output_hidden_states if output_hidden_states is None else output_hidden_states
+        )
+        use_cache = self.config.use_cache if use_cache is None else use_cache
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("Pass exactly one of input_ids or inputs_embeds")
+        if input_ids is not None:
+            if input_ids.dim() != 2:
+                raise ValueError(f"input_ids must be (batch, length); got shape {tuple(input_ids.shape)}")
+            _check_range("input_ids", input_ids, 0, self.config.vocab_size, "vocab_size")
+            inputs_embeds = self.embed_tokens(input_ids)
+        elif inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != self.config.hidden_size:
+            raise ValueError(
+                f"inputs_embeds must be (batch, length, {self.config.hidden_size}); got {tuple(inputs_embeds.shape)}"
+            )
+        batch, length = inputs_embeds.shape[:2]
+        if length == 0:
+            raise ValueError("Empty input: the sequence length is 0")
+
+        if use_cache and past_key_values is None:
+            past_key_values = DynamicCache(config=self.config)
+        past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
+        total_length = past_length + length
+
+        if attention_mask is not None:
+            if attention_mask.shape != (batch, total_length):
+                raise ValueError(
+                    f"attention_mask must have shape (batch, past + new tokens) = {(batch, total_length)}; "
+                    f"got {tuple(attention_mask.shape)}"
+                )
+            attention_mask = attention_mask.bool()
+        if position_ids is None:
+            if attention_mask is not None:
+                position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)[:, past_length:]  # (B, N)
+            else:
+                position_ids = torch.arange(past_length, total_length, device=inputs_embeds.device)[None]  # (1, N)
+        _check_range(
+            "position_ids", position_ids, 0, self.config.max_position_embeddings,
+            f"the sequence (past {past_length} + new {length} tokens) may not be longer than "
+            "max_position_embeddings",
+        )
+
+        hidden_states = self.dropout(inputs_embeds + self.embed_positions(position_ids))
+        attn_mask = attention_mask[:, None, None, :] if attention_mask is not None else None  # (B, 1, 1, T)
+        hidden_states, all_hidden_states, all_attentions = run_layers(
+            self.layers, hidden_states, attn_mask, past_key_values, output_attentions, output_hidden_states
+        )
+        hidden_states = self.norm(hidden_states)
+        if output_hidden_states:
+            all_hidden_states = all_hidden_states[:-1] + (hidden_states,)
+        return BaseModelOutputWithPast(
+            last_hidden_state=hidden_states,
+            past_key_values=past_key_values if use_cache else None,
+            hidden_states=all_hidden_states,
+            attentions=all_attentions,
+        )
+
+
+class PlatForCausalLM(PlatPreTrainedModel, GenerationMixin):
+    _family_auto_map = TEXT_AUTO_MAP
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: PlatConfig):
+        super().__init__(config)
+        self.model = PlatModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        past_key_values: Cache | None = None,
+        inputs_embeds=None,
+        labels=None,
+        use_cache=None,
+        output_attentions=None,
+        output_hidden_states=None,
+        logits_to_keep: int | torch.Tensor = 0,
+        **kwargs,
+    ) -> CausalLMOutputWithPast:
+        """
+        labels (`(B, N)`): next-token targets aligned with the inputs (shifted inside); -100 is ignored.
+        logits_to_keep: compute logits for the last this many positions only (0 = all).
+        """
+        outputs = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            output_attentions=output_attentions,
+            output_hidden_states=output_hidden_states,
+            return_dict=True,
+        )
+        hidden_states = outputs.last_hidden_state
+        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        logits = self.lm_head(hidden_states[:, keep, :])
+        loss = None
+        if labels is not None:
+            if labels.shape != hidden_states.shape[:2]:
+                raise ValueError(
+                    f"labels must have the shape of the inputs {tuple(hidden_states.shape[:2])}; "
+                    f"got {tuple(labels.shape)}"
+                )
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        return CausalLMOutputWithPast(
+            loss=loss,
+            logits=logits,
+            past_key_values=outputs.past_key_values,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+        )
+
+
+class PlatVisionEmbeddings(nn.Module):
+    """ViT embeddings: non-overlapping patches by a strided convolution, a [CLS] token, learned positions."""
+
+    def __init__(self, config: PlatConfig):
+        super().__init__()
+        self.patch_size = config.patch_size
+        self.num_patches = (config.image_size // config.patch_size) ** 2
+        self.patch_embeddings = nn.Conv2d(
+            config.num_channels, config.hidden_size, kernel_size=config.patch_size, stride=config.patch_size
+        )
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, config.hidden_size))
+        self.position_embeddings = nn.Parameter(torch.zeros(1, self.num_patches + 1, config.hidden_size))
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+
+    def interpolate_pos_encoding(self, height, width):
+        """Bicubic resize of the patch position grid to (height, width) patches; the [CLS] position is kept."""
+        if height * width == self.num_patches and height == width:
+            return self.position_embeddings
+        cls_pos, patch_pos = self.position_embeddings[:, :1], self.position_embeddings[:, 1:]
+        side = int(math.sqrt(self.num_patches))
+        grid = patch_pos.reshape(1, side, side, -1).permute(0, 3, 1, 2)  # (1, D, side, side)
+        grid = nn.functional.interpolate(grid, size=(height, width), mode="bicubic", align_corners=False)
+        patch_pos = grid.permute(0, 2, 3, 1).reshape(1, height * width, -1)  # (1, h * w, D)
+        return torch.cat([cls_pos, patch_pos], dim=1)
+
+    def forward(self, pixel_values, interpolate_pos_encoding=False):
+        patches = self.patch_embeddings(pixel_values)  # (B, D, h, w)
+        height, width = patches.shape[-2:]
+        patches = patches.flatten(2).transpose(1, 2)  # (B, h * w, D)
+        cls = self.cls_token.expand(patches.shape[0], -1, -1)  # (B, 1, D)
+        embeddings = torch.cat([cls, patches], dim=1)  # (B, 1 + h * w, D)
+        if interpolate_pos_encoding:
+            embeddings = embeddings + self.interpolate_pos_encoding(height, width)
+        else:
+            embeddings = embeddings + self.position_embeddings
+        return self.dropout(embeddings)
+
+
+class PlatVisionModel(PlatPreTrainedModel):
+    """ViT/DeiT-style p-LaT trunk: patch embeddings, bidirectional pre-LN blocks, final LayerNorm."""
+
+    main_input_name = "pixel_values"
+    input_modalities = ("image",)
+    _family_auto_map = VISION_AUTO_MAP
+
+    def __init__(self, config: PlatConfig):
+        super().__init__(config)
+        self.embeddings = PlatVisionEmbeddings(config)
+        self.layers = nn.ModuleList(PlatLayer(config, i, is_causal=False) for i in range(config.num_hidden_layers))
+        self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.embeddings.patch_embeddings
+
+    def _check_pixel_values(self, pixel_values, interpolate_pos_encoding):
+        config = self.config
+        if pixel_values is None or pixel_values.dim() != 4:
+            shape = None if pixel_values is None else tuple(pixel_values.shape)
+            raise ValueError(f"pixel_values must be (batch, {config.num_channels}, height, width); got {shape}")
+        batch, channels, height, width = pixel_values.shape
+        if batch == 0:
+            raise ValueError("Empty batch: pixel_values has batch size 0")
+        if channels != config.num_channels:
+            raise ValueError(
+                f"pixel_values has {channels} channels but the model expects num_channels={config.num_channels}"
+            )
+        if interpolate_pos_encoding:
+            if height % config.patch_size or width % config.patch_size:
+                raise ValueError(
+                    f"With interpolate_pos_encoding, height and width must be multiples of patch_size "
+                    f"{config.patch_size}; got {height}x{width}"
+                )
+        elif (height, width) != (config.image_size, config.image_size):
+            raise ValueError(
+                f"pixel_values are {height}x{width} but the model expects {config.image_size}x{config.image_size}; "
+                "resize them, or pass interpolate_pos_encoding=True"
+            )
+
+    @can_return_tuple
+    def forward(
+        self,
+        pixel_values=None,
+        output_attentions=None,
+        output_hidden_states=None,
+        interpolate_pos_encoding=False,
+        **kwargs,
+    ) -> BaseModelOutputWithPooling:
+        output_attentions = self.config.output_attentions if output_attentions is None else output_attentions
+        output_hidden_states = (
+            self.config.output_hidden_states if output_hidden_states is None else output_hidden_states
+        )
+        self._check_pixel_values(pixel_values, interpolate_pos_encoding)
+        pixel_values = pixel_values.to(self.embeddings.patch_embeddings.weight.dtype)
+        hidden_states = self.embeddings(pixel_values, interpolate_pos_encoding)
+        hidden_states, all_hidden_states, all_attentions = run_layers(
+            self.layers, hidden_states, None, None, output_attentions, output_hidden_states
+        )
+        hidden_states = self.norm(hidden_states)
+        if output_hidden_states:
+            all_hidden_states = all_hidden_states[:-1] + (hidden_states,)
+        return BaseModelOutputWithPooling(
+            last_hidden_state=hidden_states,
+            pooler_output=hidden_states[:, 0],
+            hidden_states=all_hidden_states,
+            attentions=all_attentions,
+        )
+
+
+class PlatForImageClassification(PlatPreTrainedModel):
+    """p-LaT vision transformer with a linear classifier on the final [CLS] token."""
+
+    main_input_name = "pixel_values"
+    input_modalities = ("image",)
+    _family_auto_map = VISION_AUTO_MAP
+
+    def __init__(self, config: PlatConfig):
+        super().__init__(config)
+        self.num_labels = config.num_labels
+        self.vit = PlatVisionModel(config)
+        self.classifier = nn.Linear(config.hidden_size, config.num_labels) if config.num_labels > 0 else nn.Identity()
+        self.post_init()
+
+    @can_return_tuple
+    def forward(
+        self,
+        pixel_values=None,
+        labels=None,
+        output_attentions=None,
+        output_hidden_states=None,
+        interpolate_pos_encoding=False,
+        **kwargs,
+    ) -> ImageClassifierOutput:
+        """
+        labels (`(B,)` class indices, `(B, num_labels)` multi-hot floats, or `(B,)` / `(B, num_labels)` regression
+            targets): the loss follows `config.problem_type` (inferred when unset, as in transformers).
+        """
+        outputs = self.vit(
+            pixel_values,
+            output_attentions=output_attentions,
+            output_hidden_states=output_hidden_states,
+            interpolate_pos_encoding=interpolate_pos_encoding,
+            return_dict=True,
+        )
+        logits = self.classifier(outputs.pooler_output)  # (B, num_labels)
+        loss = None
+        if labels is not None:
+            self._check_labels(labels, logits)
+            loss = self.loss_function(labels, logits, self.config, **kwargs)
+        return ImageClassifierOutput(
+            loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
+        )
+
+    def _check_labels(self, labels, logits):
+        batch = logits.shape[0]
+        if labels.shape[0] != batch:
+            raise ValueError(f"labels has batch size {labels.shape[0]} but pixel_values has {batch}")
+        integer = not labels.is_floating_point()
+        if integer and self.config.problem_type in (None, "single_label_classification") and self.num_labels > 1:
+            if labels.dim() != 1:
+                raise ValueError(f"Class-index labels must be (batch,); got shape {tuple(labels.shape)}")
+            _check_range("labels", labels, 0, self.num_labels, "num_labels")
+        if self.config.problem_type == "multi_label_classification" and labels.shape != logits.shape:
+            raise ValueError(
+                f"Multi-label labels must be (batch, num_labels) = {tuple(logits.shape)}; got {tuple(labels.shape)}"
+            )
+
+
+__all__ = [
+    "PlatPreTrainedModel",
+    "PlatModel",
+    "PlatForCausalLM",
+    "PlatVisionModel",
+    "PlatForImageClassification",
+]
+
+PlatConfig.register_for_auto_class()
+PlatModel.register_for_auto_class("AutoModel")
+PlatForCausalLM.register_for_auto_class("AutoModelForCausalLM")
+PlatVisionModel.register_for_auto_class("AutoModel")
+PlatForImageClassification.register_for_auto_class("AutoModelForImageClassification")

@@ -1,0 +1,167 @@
+"""p-Laplacian attention (p-LaT, arXiv 2311.03235, eq. 12): the readable reference and the backend dispatcher.
+
+For one head with exponent p, queries/keys/values q, k, v of shape (B, H, N, d):
+
+    A       = softmax(q k^T / sqrt(d) + mask)                  row-normalised attention
+    D2[x,y] = ||v_x - v_y||^2                                  squared value distances
+    P[x,y]  = (D2[x,y] + eps) ** ((p - 2) / 2)                 the p-Laplacian weight
+    paper:  U = (A * P) V                                      eq. 12, rows of A * P need not sum to 1
+    euler:  U = v_x + sum_{y != x} W[x,y] (v_y - v_x),  W = A * P
+            the exact explicit Euler step of the gradient flow (eq. 7) that eq. 12 simplifies;
+            the y = x term vanishes, so there is no eps ** ((p - 2) / 2) self-weight.
+
+With p = 2 both formulations are plain softmax attention. P is always computed in float32 or wider:
+eps = 1e-6 is below fp16 resolution and the (p - 4) / 2 powers of the backward overflow half types.
+"""
+
+import torch
+
+FORMULATIONS = ("paper", "euler")
+BACKENDS = ("auto", "eager")
+
+
+def _allowed_positions(attn_mask, is_causal, num_queries, num_keys, device):
+    """Boolean (..., Nq, Nk) mask of the pairs that may attend, or None when all may.
+
+    Causal masking is bottom-right aligned: query i is the token at key position Nk - Nq + i.
+    """
+    allowed = None
+    if is_causal:
+        query_pos = torch.arange(num_queries, device=device) + (num_keys - num_queries)
+        allowed = torch.arange(num_keys, device=device)[None, :] <= query_pos[:, None]  # (Nq, Nk)
+    if attn_mask is not None:
+        allowed = attn_mask if allowed is None else allowed & attn_mask
+    return allowed
+
+
+def _self_pairs(num_queries, num_keys, device):
+    """(Nq, Nk) boolean mask of the pairs (x, x): query i against its own key position Nk - Nq + i."""
+    query_pos = torch.arange(num_queries, device=device) + (num_keys - num_queries)
+    return torch.arange(num_keys, device=device)[None, :] == query_pos[:, None]
+
+
+def squared_value_distances(value, num_queries):
+    """D2[x, y] = ||v_x - v_y||^2 for the last ``num_queries`` values x against all values y.
+
+    Uses |v_x|^2 + |v_y|^2 - 2 v_x.v_y (one matmul, like torch.cdist), clamped at 0 against rounding,
+    and sets the self pairs to an exact 0 with no gradient.
+    """
+    num_keys = value.shape[-2]
+    v_query = value[..., num_keys - num_queries :, :]  # (B, H, Nq, dv)
+    sq_norm = value.pow(2).sum(-1)  # (B, H, Nk)
+    d2 = sq_norm[..., num_keys - num_queries :, None] + sq_norm[..., None, :] - 2 * v_query @ value.transpose(-1, -2)
+    d2 = d2.clamp_min(0)  # (B, H, Nq, Nk)
+    return torch.where(_self_pairs(num_queries, num_keys, value.device), 0.0, d2)
+
+
+def plap_attention_weights(query, key, value, p, attn_mask=None, is_causal=False, eps=1e-6, formulation="paper"):
+    """The effective attention matrix M with U = M V, in float32 (float64 for float64 inputs).
+
+    paper: M = A * P.  euler: M = W_off + diag(1 - rowsum(W_off)) with W_off = A * P off the self pairs.
+    Rows whose every key is masked are zero. Inputs are assumed checked (see ``plap_attention``).
+    """
+    num_queries, num_keys = query.shape[-2], key.shape[-2]
+    compute_dtype = torch.promote_types(query.dtype, torch.float32)
+    q, k, v = query.to(compute_dtype), key.to(compute_dtype), value.to(compute_dtype)
+    allowed = _allowed_positions(attn_mask, is_causal, num_queries, num_keys, query.device)
+
+    scores = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5  # (B, H, Nq, Nk)
+    if allowed is not None:
+        # A finite fill (not -inf) keeps fully masked rows free of NaN in forward and backward.
+        scores = scores.masked_fill(~allowed, torch.finfo(compute_dtype).min)
+    attn = torch.softmax(scores, dim=-1)
+
+    half_p_minus_2 = ((p.to(compute_dtype) - 2) / 2).view(1, -1, 1, 1)  # (1, H, 1, 1)
+    d2 = squared_value_distances(v, num_queries)
+    if allowed is not None:
+        d2 = torch.where(allowed, d2, 1.0)  # excluded before the power: no inf * 0 anywhere
+    plap = (d2 + eps).pow(half_p_minus_2)  # (B, H, Nq, Nk)
+    weights = attn * plap
+
+    if formulation == "euler":
+        self_pairs = _self_pairs(num_queries, num_keys, query.device)
+        weights = torch.where(self_pairs, 0.0, weights)
+        weights = weights + torch.where(self_pairs, 1 - weights.sum(-1, keepdim=True), 0.0)
+    if allowed is not None:
+        weights = torch.where(allowed.any(-1, keepdim=True), weights, 0.0)
+    return weights
+
+
+def _eager(query, key, value, p, attn_mask, is_causal, eps, formulation):
+    weights = plap_attention_weights(query, key, value, p, attn_mask, is_causal, eps, formulation)
+    return (weights @ value.to(weights.dtype)).to(query.dtype)
+
+
+def _check_inputs(query, key, value, p, attn_mask, eps, formulation):
+    if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
+        raise ValueError(
+            f"query, key and value must be 4-D (B, H, N, d); got {tuple(query.shape)}, "
+            f"{tuple(key.shape)}, {tuple(value.shape)}"
+        )
+    if query.shape[:2] != key.shape[:2] or key.shape[:3] != value.shape[:3]:
+        raise ValueError(
+            f"query {tuple(query.shape)}, key {tuple(key.shape)} and value {tuple(value.shape)} must share "
+            "(B, H), and key and value their length"
+        )
+    if query.shape[-1] != key.shape[-1]:
+        raise ValueError(f"query and key head sizes differ: {query.shape[-1]} vs {key.shape[-1]}")
+    if query.shape[-2] > key.shape[-2]:
+        raise ValueError(
+            f"p-Laplacian attention needs each query's own value: {query.shape[-2]} queries cannot be more "
+            f"than {key.shape[-2]} keys"
+        )
+    num_heads = query.shape[1]
+    if p.shape != (num_heads,):
+        raise ValueError(f"p must have one value per head, shape ({num_heads},); got {tuple(p.shape)}")
+    # Reading p's values synchronises a GPU and breaks compiled graphs; models validate p in their config.
+    values_readable = p.device.type == "cpu" and not torch.compiler.is_compiling()
+    if values_readable and (not bool(torch.isfinite(p).all()) or bool((p < 1).any())):
+        raise ValueError(f"p must be finite and >= 1; got {p.tolist()}")
+    if not eps > 0:
+        raise ValueError(f"eps must be > 0; got {eps}")
+    if formulation not in FORMULATIONS:
+        raise ValueError(f"formulation must be one of {FORMULATIONS}; got {formulation!r}")
+    if attn_mask is not None:
+        if attn_mask.dtype != torch.bool:
+            raise ValueError(f"attn_mask must be boolean (True = may attend); got {attn_mask.dtype}")
+        target = (query.shape[0], num_heads, query.shape[-2], key.shape[-2])
+        try:
+            torch.broadcast_shapes(attn_mask.shape, target)
+        except RuntimeError:
+            raise ValueError(
+                f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to (B, H, Nq, Nk) = {target}"
+            ) from None
+
+
+def resolve_backend(backend, query):
+    """The backend that ``backend`` names for this input; "auto" picks the fastest correct one."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}")
+    return "eager" if backend == "auto" else backend
+
+
+def plap_attention(
+    query, key, value, p, attn_mask=None, is_causal=False, eps=1e-6, formulation="paper", backend="auto"
+):
+    """p-Laplacian attention of (B, H, N, d) inputs with one exponent per head.
+
+    Args:
+        query: (B, H, Nq, d). key: (B, H, Nk, d). value: (B, H, Nk, dv), Nq <= Nk; the queries are the
+            last Nq tokens (their own values are the last Nq values), as with a KV cache.
+        p: (H,) tensor (or a float / list), p >= 1.
+        attn_mask: optional boolean mask broadcastable to (B, H, Nq, Nk), True = may attend
+            (the ``scaled_dot_product_attention`` convention).
+        is_causal: causal mask, bottom-right aligned when Nq < Nk.
+        eps: added to the squared distances before the power.
+        formulation: "paper" (eq. 12) or "euler" (exact Euler step of eq. 7).
+        backend: "auto" or one of ``BACKENDS``.
+
+    Returns:
+        (B, H, Nq, dv) tensor in the dtype of ``query``; rows with every key masked are zero.
+    """
+    p = torch.as_tensor(p, device=query.device)
+    if p.dim() == 0:
+        p = p.expand(query.shape[1])
+    _check_inputs(query, key, value, p, attn_mask, eps, formulation)
+    backend = resolve_backend(backend, query)
+    return _eager(query, key, value, p, attn_mask, is_causal, eps, formulation)
