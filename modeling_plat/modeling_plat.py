@@ -42,8 +42,14 @@ class PlatAttention(nn.Module):
         self.v_proj = nn.Linear(config.hidden_size, config.hidden_size, bias=config.qkv_bias)
         self.o_proj = nn.Linear(config.hidden_size, config.hidden_size)
         self.attn_dropout = nn.Dropout(config.attention_probs_dropout_prob)
-        # A buffer, not a parameter: p is fixed by the config and follows the model across devices.
-        self.register_buffer("plap_p", torch.tensor(config.p_per_layer()[layer_idx]), persistent=False)
+        self.p_values = tuple(config.p_per_layer()[layer_idx])
+        self._p_by_device = {}
+
+    def plap_p(self, device):
+        """p per head as a float32 tensor on ``device``; kept out of buffers so ``model.half()`` cannot round it."""
+        if device not in self._p_by_device:
+            self._p_by_device[device] = torch.tensor(self.p_values, dtype=torch.float32, device=device)
+        return self._p_by_device[device]
 
     def forward(self, hidden_states, attn_mask=None, past_key_values=None, output_attentions=False):
         batch, length, _ = hidden_states.shape
@@ -54,7 +60,7 @@ class PlatAttention(nn.Module):
         if past_key_values is not None:
             key, value = past_key_values.update(key, value, self.layer_idx)  # (B, H, T, d)
 
-        attn_args = (query, key, value, self.plap_p, attn_mask, self.is_causal, self.config.plap_eps,
+        attn_args = (query, key, value, self.plap_p(query.device), attn_mask, self.is_causal, self.config.plap_eps,
                      self.config.plap_formulation)
         weights = None
         if output_attentions or (self.training and self.attn_dropout.p > 0):
@@ -139,7 +145,6 @@ class PlatPreTrainedModel(PreTrainedModel):
         super()._init_weights(module)
         std = self.config.initializer_range
         if isinstance(module, PlatAttention):
-            init.copy_(module.plap_p, torch.tensor(self.config.p_per_layer()[module.layer_idx]))
             init.normal_(module.o_proj.weight, mean=0.0, std=std / math.sqrt(2 * self.config.num_hidden_layers))
         elif isinstance(module, PlatMLP):
             init.normal_(module.fc2.weight, mean=0.0, std=std / math.sqrt(2 * self.config.num_hidden_layers))
@@ -364,6 +369,7 @@ class PlatVisionEmbeddings(nn.Module):
 class PlatVisionModel(PlatPreTrainedModel):
     """ViT/DeiT-style p-LaT trunk: patch embeddings, bidirectional pre-LN blocks, final LayerNorm."""
 
+    base_model_prefix = "vit"
     main_input_name = "pixel_values"
     input_modalities = ("image",)
     _family_auto_map = VISION_AUTO_MAP
@@ -436,6 +442,7 @@ class PlatVisionModel(PlatPreTrainedModel):
 class PlatForImageClassification(PlatPreTrainedModel):
     """p-LaT vision transformer with a linear classifier on the final [CLS] token."""
 
+    base_model_prefix = "vit"
     main_input_name = "pixel_values"
     input_modalities = ("image",)
     _family_auto_map = VISION_AUTO_MAP

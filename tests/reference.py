@@ -1,0 +1,41 @@
+"""An independent float64 reference of p-Laplacian attention, written by direct differences.
+
+Deliberately naive (loops over nothing clever, no matmul expansion of distances) so that it shares no
+code or tricks with modeling_plat.plap_attention.
+"""
+
+import torch
+
+
+def reference_plap_attention(query, key, value, p, attn_mask=None, is_causal=False, eps=1e-6, formulation="paper"):
+    q, k, v = (t.double() for t in (query, key, value))
+    num_queries, num_keys = q.shape[-2], k.shape[-2]
+    offset = num_keys - num_queries
+    allowed = torch.ones(num_queries, num_keys, dtype=torch.bool)
+    if is_causal:
+        allowed = torch.tensor([[j <= i + offset for j in range(num_keys)] for i in range(num_queries)])
+    if attn_mask is not None:
+        allowed = allowed & attn_mask
+    allowed = allowed.expand(q.shape[0], q.shape[1], num_queries, num_keys)
+
+    scores = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
+    scores = torch.where(allowed, scores, -1e300)
+    attn = torch.softmax(scores, dim=-1) * allowed
+
+    v_x = v[:, :, offset:]  # (B, H, Nq, dv): each query's own value
+    diff = v_x[:, :, :, None, :] - v[:, :, None, :, :]  # (B, H, Nq, Nk, dv)
+    d2 = (diff**2).sum(-1)
+    self_pair = torch.tensor([[j == i + offset for j in range(num_keys)] for i in range(num_queries)])
+    d2 = torch.where(self_pair, torch.zeros_like(d2), d2)
+    exponent = ((torch.as_tensor(p, dtype=torch.float64) - 2) / 2).view(1, -1, 1, 1)
+    plap = torch.where(allowed, d2 + eps, torch.ones_like(d2)) ** exponent
+    weights = attn * plap
+
+    if formulation == "paper":
+        out = weights @ v
+    else:
+        off = torch.where(self_pair, torch.zeros_like(weights), weights)
+        # u_x = v_x + sum_{y != x} W[x, y] (v_y - v_x)
+        out = v_x + (off[..., None] * (v[:, :, None, :, :] - v_x[:, :, :, None, :])).sum(-2)
+    row_valid = allowed.any(-1, keepdim=True)
+    return torch.where(row_valid, out, torch.zeros_like(out))

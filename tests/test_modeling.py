@@ -1,0 +1,374 @@
+"""PlatConfig, PlatForCausalLM and PlatForImageClassification held to transformers' own model-test bar."""
+
+import copy
+import json
+import logging
+
+import pytest
+import torch
+from transformers import (
+    AutoConfig,
+    AutoModel,
+    AutoModelForCausalLM,
+    AutoModelForImageClassification,
+    GPT2Config,
+    GPT2LMHeadModel,
+    ViTConfig,
+    ViTForImageClassification,
+)
+from transformers.cache_utils import Cache
+
+from modeling_plat import (
+    PlatConfig,
+    PlatForCausalLM,
+    PlatForImageClassification,
+    PlatModel,
+    PlatVisionModel,
+    plap_attention_weights,
+)
+from modeling_plat.convert import convert_to_plat
+
+
+def text_config(**kwargs):
+    defaults = dict(vocab_size=61, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                    intermediate_size=64, max_position_embeddings=40, pad_token_id=0, eos_token_id=1)
+    return PlatConfig(**(defaults | kwargs))
+
+
+def vision_config(**kwargs):
+    defaults = dict(hidden_size=24, num_hidden_layers=2, num_attention_heads=3, intermediate_size=48,
+                    image_size=16, patch_size=4, num_labels=5)
+    return PlatConfig(**(defaults | kwargs))
+
+
+def lm(**kwargs):
+    torch.manual_seed(0)
+    return PlatForCausalLM(text_config(**kwargs)).eval()
+
+
+def classifier(**kwargs):
+    torch.manual_seed(0)
+    return PlatForImageClassification(vision_config(**kwargs)).eval()
+
+
+# ---------------------------------------------------------------- config
+
+
+def test_default_config_builds_silently(caplog):
+    with caplog.at_level(logging.DEBUG):
+        config = PlatConfig()
+    assert not caplog.records
+    assert config.plap_p == [1.5] * 4 + [2.5] * 4  # the paper's head mix by default
+    assert not any(name.startswith("encoder") for name in config.to_dict())
+
+
+def test_config_round_trips_through_json(tmp_path):
+    config = text_config(
+        plap_p=[[1.5, 2.5, 2.0, 3.0], [1.1, 1.5, 2.5, 2.5]], output_attentions=True, output_hidden_states=True,
+        return_dict=False, dtype="bfloat16", id2label={0: "a", 1: "b", 2: "c"},
+        problem_type="multi_label_classification", use_cache=False, plap_formulation="euler",
+    )
+    config.save_pretrained(tmp_path)
+    reloaded = AutoConfig.from_pretrained(tmp_path)
+    assert isinstance(reloaded, PlatConfig)
+    assert reloaded.to_diff_dict() | {"_name_or_path": ""} == config.to_diff_dict() | {"_name_or_path": ""}
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["plap_p"] == [[1.5, 2.5, 2.0, 3.0], [1.1, 1.5, 2.5, 2.5]]
+    assert saved["plap_formulation"] == "euler" and saved["plap_backend"] == "auto" and saved["plap_eps"] == 1e-6
+    assert (reloaded.output_attentions, reloaded.return_dict, reloaded.use_cache) == (True, False, False)
+    assert reloaded.dtype == torch.bfloat16 and reloaded.num_labels == 3
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(plap_p=0.5), ">= 1"),
+        (dict(plap_p=float("nan")), "finite"),
+        (dict(plap_p=[1.5, 2.5]), "one value per head"),
+        (dict(plap_p=[[1.5] * 4]), "list of lists"),
+        (dict(plap_p="1.5"), "must be a number"),
+        (dict(plap_eps=0.0), "plap_eps"),
+        (dict(plap_eps=-1e-6), "plap_eps"),
+        (dict(plap_formulation="implicit"), "plap_formulation"),
+        (dict(plap_backend="cuda-magic"), "plap_backend"),
+        (dict(hidden_size=30), "divisible"),
+        (dict(image_size=30, patch_size=16), "multiple of patch_size"),
+        (dict(num_hidden_layers=0), "num_hidden_layers"),
+    ],
+)
+def test_config_validation(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        text_config(**kwargs)
+
+
+# ---------------------------------------------------------------- p = 2 is softmax attention
+
+
+def test_p2_language_model_equals_gpt2():
+    torch.manual_seed(0)
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=61, n_positions=40,
+                                      bos_token_id=0, eos_token_id=0)).eval()
+    plat = convert_to_plat(gpt2, plap_p=2.0)
+    ids = torch.randint(0, 61, (3, 17))
+    torch.testing.assert_close(plat(ids).logits, gpt2(ids).logits, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(convert_to_plat(gpt2)(ids).logits, gpt2(ids).logits, atol=1e-3)
+
+
+def test_p2_classifier_equals_vit():
+    torch.manual_seed(0)
+    vit = ViTForImageClassification(ViTConfig(num_hidden_layers=2, hidden_size=24, num_attention_heads=3,
+                                              intermediate_size=48, image_size=16, patch_size=4,
+                                              num_labels=5)).eval()
+    plat = convert_to_plat(vit, plap_p=2.0)
+    pixels = torch.randn(2, 3, 16, 16)
+    torch.testing.assert_close(plat(pixels).logits, vit(pixels).logits, rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------- language model
+
+
+def test_lm_outputs_and_loss():
+    model = lm()
+    ids = torch.randint(2, 61, (2, 9))
+    out = model(ids, labels=ids, output_attentions=True, output_hidden_states=True)
+    assert out.logits.shape == (2, 9, 61)
+    expected = torch.nn.functional.cross_entropy(out.logits[:, :-1].reshape(-1, 61), ids[:, 1:].reshape(-1))
+    torch.testing.assert_close(out.loss, expected)
+    assert isinstance(out.past_key_values, Cache)
+    key_cache = out.past_key_values.layers[0].keys
+    assert key_cache.shape == (2, 4, 9, 8)  # (B, heads, T, head_dim)
+    assert len(out.hidden_states) == 3 and len(out.attentions) == 2
+    assert out.attentions[0].shape == (2, 4, 9, 9) and out.attentions[0].requires_grad
+    as_tuple = model(ids, labels=ids, output_attentions=True, return_dict=False)
+    torch.testing.assert_close(as_tuple[-1][0], out.attentions[0])
+
+
+def test_attentions_are_the_effective_weights():
+    model = lm(plap_p=[1.5, 2.5, 2.0, 3.0])
+    ids = torch.randint(2, 61, (1, 6))
+    out = model(ids, output_attentions=True, output_hidden_states=True)
+    layer = model.model.layers[0]
+    hidden = layer.attn_norm(out.hidden_states[0])
+    q = layer.attention.q_proj(hidden).view(1, 6, 4, 8).transpose(1, 2)
+    k = layer.attention.k_proj(hidden).view(1, 6, 4, 8).transpose(1, 2)
+    v = layer.attention.v_proj(hidden).view(1, 6, 4, 8).transpose(1, 2)
+    expected = plap_attention_weights(q, k, v, torch.tensor([1.5, 2.5, 2.0, 3.0]), is_causal=True)
+    torch.testing.assert_close(out.attentions[0], expected)
+    assert (out.attentions[0][:, :3].sum(-1) - 1).abs().max() > 1e-3  # rows of A * P need not sum to 1
+
+
+def test_incremental_decoding_matches_full_forward():
+    model = lm()
+    ids = torch.randint(2, 61, (2, 12))
+    full = model(ids, use_cache=False).logits
+    prefix = model(ids[:, :7], use_cache=True)
+    cache, steps = prefix.past_key_values, [prefix.logits]
+    for t in range(7, 12):
+        step = model(ids[:, t : t + 1], past_key_values=cache, use_cache=True)
+        cache = step.past_key_values
+        steps.append(step.logits)
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("formulation", ["paper", "euler"])
+def test_greedy_generate_with_and_without_cache(formulation):
+    model = lm(plap_formulation=formulation)
+    prompt = torch.randint(2, 61, (2, 5))
+    cached = model.generate(prompt, max_new_tokens=10, do_sample=False, use_cache=True)
+    uncached = model.generate(prompt, max_new_tokens=10, do_sample=False, use_cache=False)
+    assert torch.equal(cached, uncached) and cached.shape == (2, 15)
+
+
+def test_sampling_beam_and_assisted_generation_run():
+    model = lm()
+    prompt = torch.randint(2, 61, (2, 4))
+    torch.manual_seed(0)
+    assert model.generate(prompt, max_new_tokens=6, do_sample=True, top_k=10).shape == (2, 10)
+    beams = model.generate(prompt, max_new_tokens=6, num_beams=3, num_return_sequences=2)
+    assert beams.shape == (4, 10)
+    assistant = lm(num_hidden_layers=1)
+    assisted = model.generate(prompt[:1], max_new_tokens=6, do_sample=False, assistant_model=assistant)
+    assert torch.equal(assisted, model.generate(prompt[:1], max_new_tokens=6, do_sample=False))
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_padded_batch_equals_unpadded_runs(side):
+    model = lm(plap_p=[1.1, 1.5, 2.5, 3.0])
+    seqs = [torch.randint(2, 61, (n,)) for n in (9, 5, 7)]
+    width = 9
+    batch = torch.zeros(3, width, dtype=torch.long)
+    mask = torch.zeros(3, width, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        where = slice(width - len(s), width) if side == "left" else slice(0, len(s))
+        batch[i, where], mask[i, where] = s, 1
+    logits = model(batch, attention_mask=mask).logits
+    for i, s in enumerate(seqs):
+        alone = model(s[None]).logits[0]
+        where = slice(width - len(s), width) if side == "left" else slice(0, len(s))
+        torch.testing.assert_close(logits[i, where], alone, rtol=1e-5, atol=1e-5)
+
+
+def test_left_padded_generation_equals_unpadded():
+    model = lm()
+    short, long = torch.randint(2, 61, (4,)), torch.randint(2, 61, (6,))
+    batch = torch.stack([torch.cat([torch.zeros(2, dtype=torch.long), short]), long])
+    mask = (torch.arange(6)[None] >= torch.tensor([[2], [0]])).long()
+    out = model.generate(batch, attention_mask=mask, max_new_tokens=5, do_sample=False)
+    alone = model.generate(short[None], max_new_tokens=5, do_sample=False)
+    assert torch.equal(out[0, 2:], alone[0])
+
+
+def test_inputs_embeds_and_position_ids():
+    model = lm()
+    ids = torch.randint(2, 61, (2, 6))
+    embeds = model.get_input_embeddings()(ids)
+    torch.testing.assert_close(model(inputs_embeds=embeds).logits, model(ids).logits)
+    shifted = model(ids, position_ids=torch.arange(3, 9)[None].expand(2, -1)).logits
+    assert not torch.allclose(shifted, model(ids).logits)
+
+
+@pytest.mark.parametrize(
+    "make_call, message",
+    [
+        (lambda m: m(torch.tensor([[1, 2, 61]])), "input_ids must lie in"),
+        (lambda m: m(torch.tensor([[1, -2, 3]])), "input_ids must lie in"),
+        (lambda m: m(torch.ones(1, 41, dtype=torch.long)), "max_position_embeddings"),
+        (lambda m: m(torch.ones(2, 0, dtype=torch.long)), "Empty input"),
+        (lambda m: m(torch.ones(2, 5, dtype=torch.long), attention_mask=torch.ones(2, 4)), "attention_mask"),
+        (lambda m: m(torch.ones(2, 5, dtype=torch.long), labels=torch.ones(2, 4, dtype=torch.long)), "labels"),
+        (lambda m: m(), "exactly one of"),
+        (lambda m: m(torch.ones(5, dtype=torch.long)), "batch, length"),
+    ],
+)
+def test_lm_bad_input_raises_clear_errors(make_call, message):
+    with pytest.raises(ValueError, match=message):
+        make_call(lm())
+
+
+# ---------------------------------------------------------------- vision
+
+
+def test_classifier_single_multi_label_and_regression_losses():
+    pixels = torch.randn(4, 3, 16, 16)
+    model = classifier()
+    out = model(pixels, labels=torch.tensor([0, 1, 4, 2]), output_attentions=True, output_hidden_states=True)
+    torch.testing.assert_close(out.loss, torch.nn.functional.cross_entropy(out.logits, torch.tensor([0, 1, 4, 2])))
+    assert out.attentions[0].shape == (4, 3, 17, 17) and len(out.hidden_states) == 3
+    multi = classifier(problem_type="multi_label_classification")
+    targets = (torch.rand(4, 5) > 0.5).float()
+    out = multi(pixels, labels=targets)
+    torch.testing.assert_close(out.loss, torch.nn.functional.binary_cross_entropy_with_logits(out.logits, targets))
+    regression = classifier(num_labels=1)
+    out = regression(pixels, labels=torch.randn(4))
+    assert out.logits.shape == (4, 1) and out.loss.ndim == 0
+
+
+def test_classifier_single_channel_and_interpolated_positions():
+    model = classifier(num_channels=1)
+    assert model(torch.randn(2, 1, 16, 16)).logits.shape == (2, 5)
+    assert model(torch.randn(2, 1, 24, 32), interpolate_pos_encoding=True).logits.shape == (2, 5)
+    same = model(torch.randn(2, 1, 16, 16), interpolate_pos_encoding=True)
+    assert same.logits.shape == (2, 5)
+
+
+@pytest.mark.parametrize(
+    "make_call, message",
+    [
+        (lambda m: m(torch.randn(2, 1, 16, 16)), "num_channels=3"),
+        (lambda m: m(torch.randn(2, 3, 20, 20)), "interpolate_pos_encoding"),
+        (lambda m: m(torch.randn(2, 3, 18, 18), interpolate_pos_encoding=True), "multiples of patch_size"),
+        (lambda m: m(torch.randn(3, 16, 16)), "pixel_values must be"),
+        (lambda m: m(torch.randn(0, 3, 16, 16)), "Empty batch"),
+        (lambda m: m(torch.randn(2, 3, 16, 16), labels=torch.tensor([1, 7])), "labels must lie in"),
+        (lambda m: m(torch.randn(2, 3, 16, 16), labels=torch.tensor([1, 2, 3])), "batch size"),
+    ],
+)
+def test_classifier_bad_input_raises_clear_errors(make_call, message):
+    with pytest.raises(ValueError, match=message):
+        make_call(classifier())
+
+
+def test_reload_with_other_num_labels(tmp_path):
+    classifier().save_pretrained(tmp_path)
+    with pytest.raises(RuntimeError, match="ignore_mismatched_sizes|size mismatch"):
+        PlatForImageClassification.from_pretrained(tmp_path, num_labels=7)
+    model = PlatForImageClassification.from_pretrained(tmp_path, num_labels=7, ignore_mismatched_sizes=True)
+    assert model(torch.randn(1, 3, 16, 16)).logits.shape == (1, 7)
+
+
+# ---------------------------------------------------------------- both families
+
+
+@pytest.mark.parametrize("family", ["text", "vision"])
+def test_gradient_checkpointing_gives_the_same_gradients(family):
+    model = lm(hidden_dropout_prob=0.0) if family == "text" else classifier()
+    inputs = (dict(input_ids=torch.randint(2, 61, (2, 8)), labels=torch.randint(2, 61, (2, 8)))
+              if family == "text" else dict(pixel_values=torch.randn(2, 3, 16, 16), labels=torch.tensor([1, 3])))
+    model.train()
+    model(**inputs).loss.backward()
+    plain = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    model.gradient_checkpointing_enable()
+    model(**inputs).loss.backward()
+    for name, grad in plain.items():
+        torch.testing.assert_close(dict(model.named_parameters())[name].grad, grad, msg=name)
+
+
+@pytest.mark.parametrize("family", ["text", "vision"])
+def test_save_load_round_trip_through_auto_classes(tmp_path, family):
+    model = lm() if family == "text" else classifier(plap_p=[[1.5, 2.0, 2.5], [3.0, 1.1, 1.5]])
+    auto = AutoModelForCausalLM if family == "text" else AutoModelForImageClassification
+    model.save_pretrained(tmp_path)
+    assert (tmp_path / "model.safetensors").exists() and not (tmp_path / "pytorch_model.bin").exists()
+    reloaded = auto.from_pretrained(tmp_path).eval()
+    assert type(reloaded) is type(model)
+    inputs = torch.randint(2, 61, (2, 7)) if family == "text" else torch.randn(2, 3, 16, 16)
+    torch.testing.assert_close(reloaded(inputs).logits, model(inputs).logits, rtol=0, atol=0)
+    for layer, reloaded_layer in zip(model.base_model.layers, reloaded.base_model.layers):
+        assert layer.attention.p_values == reloaded_layer.attention.p_values
+    trunk = AutoModel.from_pretrained(tmp_path) if family == "text" else PlatVisionModel.from_pretrained(tmp_path)
+    assert type(trunk) is (PlatModel if family == "text" else PlatVisionModel)
+
+
+def test_tied_lm_head_and_meta_device_init():
+    model = lm()
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    with torch.device("meta"):
+        meta = PlatForCausalLM(text_config(plap_p=[1.1, 1.5, 2.5, 3.0]))
+    meta = meta.to_empty(device="cpu")
+    meta.init_weights()
+    for module in meta.modules():
+        for name, tensor in list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False)):
+            assert torch.isfinite(tensor).all(), name
+    assert meta.model.layers[1].attention.p_values == (1.1, 1.5, 2.5, 3.0)
+
+
+def test_deterministic_in_eval_and_batch_size_invariant():
+    model = lm()
+    ids = torch.randint(2, 61, (4, 10))
+    first, second = model(ids).logits, model(ids).logits
+    assert torch.equal(first, second)
+    torch.testing.assert_close(model(ids[:1]).logits, first[:1], rtol=1e-5, atol=1e-6)
+
+
+def test_training_step_lowers_the_loss_with_the_paper_mix():
+    model = lm().train()
+    ids = torch.randint(2, 61, (4, 16))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(15):
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < 0.7 * losses[0]
+
+
+def test_p_survives_copies_and_dtype_casts():
+    model = lm(plap_p=[1.1, 1.5, 2.5, 3.0])
+    clone = copy.deepcopy(model).to(torch.bfloat16)
+    p = clone.model.layers[0].attention.plap_p(torch.device("cpu"))
+    assert p.dtype == torch.float32 and p.tolist() == torch.tensor([1.1, 1.5, 2.5, 3.0]).tolist()
+    ids = torch.randint(2, 61, (2, 6))
+    torch.testing.assert_close(clone(ids).logits.float(), model(ids).logits, rtol=0.1, atol=0.1)
