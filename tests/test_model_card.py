@@ -1,0 +1,65 @@
+"""Model cards: YAML metadata that parses, and a usage snippet that runs as printed through remote code."""
+
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+import yaml
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from modeling_plat import PlatConfig, PlatForCausalLM
+from plat_train.model_card import model_card_text, write_model_card
+
+
+def save_tiny_lm(folder):
+    words = ["<unk>", "<eos>", "the", "cat", "sat", "on", "mat", "a", "dog"]
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", eos_token="<eos>")
+    torch.manual_seed(0)
+    config = PlatConfig(vocab_size=len(words), hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                        plap_p=[1.5, 2.5], max_position_embeddings=64, eos_token_id=1, pad_token_id=1)
+    PlatForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return config
+
+
+def split_card(text):
+    match = re.match(r"---\n(.*?)\n---\n", text, re.S)
+    assert match, "the card must open with YAML front matter"
+    return yaml.safe_load(match.group(1)), text[match.end():]
+
+
+def test_card_metadata_and_body():
+    config = PlatConfig(num_attention_heads=4, hidden_size=32, plap_p=[[1.5, 1.5, 2.5, 2.5]] * 4)
+    text = model_card_text(config, "text-generation", "org/plat-ptb", metrics={"eval_perplexity": 123.4567},
+                           dataset="ptb_text_only", command="python run_clm.py --x 1", base_model="gpt2")
+    metadata, body = split_card(text)
+    assert metadata["library_name"] == "transformers" and metadata["pipeline_tag"] == "text-generation"
+    assert {"p-laplacian-transformer", "plat"} <= set(metadata["tags"])
+    assert metadata["datasets"] == ["ptb_text_only"] and metadata["base_model"] == "gpt2"
+    assert metadata["metrics"] == ["perplexity"]
+    assert "| eval_perplexity | 123.5 |" in body and "python run_clm.py --x 1" in body
+    assert "[1.5, 1.5, 2.5, 2.5]" in body and "trust_remote_code=True" in body
+
+
+def test_card_rejects_unknown_task():
+    with pytest.raises(ValueError, match="task must be one of"):
+        model_card_text(PlatConfig(), "translation", "x")
+
+
+def test_text_snippet_runs_as_printed_without_the_plugin(tmp_path):
+    folder = tmp_path / "plat-tiny"
+    config = save_tiny_lm(folder)
+    card = write_model_card(folder, config, "text-generation", prompt="the cat")
+    snippet = re.search(r"```python\n(.*?)```", card.read_text(), re.S).group(1)
+    script = tmp_path / "snippet.py"
+    script.write_text('import sys\nsys.modules["modeling_plat"] = None\n' + snippet)
+    env = {"HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "modules"), "PATH": "/usr/bin:/bin"}
+    result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.startswith("the cat")
