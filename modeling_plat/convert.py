@@ -5,6 +5,7 @@ p-LaT adds no parameters: the weights carry over unchanged and only the attentio
 """
 
 import re
+import sys
 
 from .configuration_plat import PlatConfig, paper_p_mix
 from .modeling_plat import PlatForCausalLM, PlatForImageClassification, PlatVisionModel
@@ -139,3 +140,48 @@ def convert_to_plat(model, plap_p=None, **config_overrides):
     target.load_state_dict(state, strict=False)
     dtype = next(model.parameters()).dtype
     return target.to(dtype).eval() if not model.training else target.to(dtype)
+
+
+def _parse_p(text):
+    """``2.0`` -> 2.0; ``1.5,1.5,2.5`` -> per-head list; ``[[...],[...]]`` (JSON) -> per-layer lists."""
+    import json
+
+    try:
+        value = json.loads(text if text.lstrip().startswith("[") else f"[{text}]")
+    except json.JSONDecodeError:
+        raise ValueError(f"--plap_p must be a number, a comma-separated list or a JSON list of lists; got {text!r}")
+    return value[0] if len(value) == 1 and not isinstance(value[0], list) else value
+
+
+def main(argv=None):
+    """Command line: convert a GPT-2 / ViT checkpoint and save it with its tokenizer or image processor."""
+    import argparse
+
+    from transformers import AutoImageProcessor, AutoTokenizer
+
+    from plat_train.model_card import current_command, write_model_card
+
+    parser = argparse.ArgumentParser(prog="python -m modeling_plat.convert", description=convert_to_plat.__doc__)
+    parser.add_argument("--source", required=True, help="path or hub id of a GPT-2 or ViT checkpoint")
+    parser.add_argument("--output", required=True, help="folder to save the p-LaT checkpoint in")
+    parser.add_argument("--plap_p", type=_parse_p, default=None, help="e.g. 1.5,1.5,2.5 (default: the paper's mix)")
+    parser.add_argument("--plap_formulation", choices=["paper", "euler"], default="paper")
+    parser.add_argument("--plap_eps", type=float, default=1e-6)
+    args = parser.parse_args(argv)
+
+    model = convert_to_plat(args.source, plap_p=args.plap_p, plap_formulation=args.plap_formulation,
+                            plap_eps=args.plap_eps)
+    model.save_pretrained(args.output)
+    text = isinstance(model, PlatForCausalLM)
+    processor_class = AutoTokenizer if text else AutoImageProcessor
+    try:
+        processor_class.from_pretrained(args.source).save_pretrained(args.output)
+    except (OSError, ValueError) as error:
+        print(f"No {processor_class.__name__[4:]} copied from {args.source}: {error}", file=sys.stderr)
+    write_model_card(args.output, model.config, "text-generation" if text else "image-classification",
+                     base_model=args.source, command=current_command())
+    print(f"Saved p-LaT {type(model).__name__} (p per head: {model.config.p_per_layer()[0]}) to {args.output}")
+
+
+if __name__ == "__main__":
+    main()
