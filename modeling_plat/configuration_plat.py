@@ -6,6 +6,9 @@ from transformers import PretrainedConfig
 
 from .plap_attention import BACKENDS, FORMULATIONS
 
+# Bumped when a saved config means something different to this code; older configs stay loadable.
+PLAT_CONFIG_VERSION = 1
+
 
 def paper_p_mix(num_heads):
     """The paper's head mix: the first ceil(H / 2) heads with p = 1.5, the others with p = 2.5."""
@@ -42,6 +45,7 @@ class PlatConfig(PretrainedConfig):
         plap_formulation (`str`, defaults to `"paper"`): `"paper"` (eq. 12) or `"euler"` (exact Euler step
             of the gradient flow, no self-weight singularity).
         plap_backend (`str`, defaults to `"auto"`): attention kernel, see `modeling_plat.plap_attention.BACKENDS`.
+        plat_config_version (`int`): format version of this config; a newer one than the code knows is refused.
     """
 
     model_type = "plat"
@@ -70,6 +74,7 @@ class PlatConfig(PretrainedConfig):
         plap_eps=1e-6,
         plap_formulation="paper",
         plap_backend="auto",
+        plat_config_version=PLAT_CONFIG_VERSION,
         **kwargs,
     ):
         self.vocab_size = vocab_size
@@ -92,12 +97,18 @@ class PlatConfig(PretrainedConfig):
         self.plap_eps = plap_eps
         self.plap_formulation = plap_formulation
         self.plap_backend = plap_backend
+        self.plat_config_version = plat_config_version
         self.tie_word_embeddings = tie_word_embeddings
         super().__init__(**kwargs)
         self.validate_plat()
 
     def validate_plat(self):
         """Raise a ValueError naming the field for any inconsistent p-LaT or shape setting."""
+        if not isinstance(self.plat_config_version, int) or self.plat_config_version > PLAT_CONFIG_VERSION:
+            raise ValueError(
+                f"This config has plat_config_version={self.plat_config_version!r}, written by a newer plat than "
+                f"this one (which reads up to {PLAT_CONFIG_VERSION}); upgrade plat or load it with trust_remote_code=True"
+            )
         for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "patch_size",
                      "image_size", "num_channels", "vocab_size", "max_position_embeddings"):
             value = getattr(self, name)

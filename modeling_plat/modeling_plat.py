@@ -7,6 +7,7 @@ classifier. Both families share the layer; only the mask (causal or not) and the
 import math
 
 import torch
+from safetensors import SafetensorError
 from torch import nn
 from transformers import PreTrainedModel
 from transformers import initialization as init
@@ -134,6 +135,17 @@ class PlatPreTrainedModel(PreTrainedModel):
     _supports_flex_attn = False
     # Auto classes a saved checkpoint names in auto_map for remote code: the trunk and the head of its family.
     _family_auto_map = {}
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        try:
+            return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        except SafetensorError as error:
+            # Raised before any weight is assigned: no half-loaded model escapes.
+            raise OSError(
+                f"The weights in {pretrained_model_name_or_path} are truncated or corrupt ({error}); "
+                "re-download or re-save the checkpoint"
+            ) from error
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         self.config.auto_map = {**(getattr(self.config, "auto_map", None) or {}), **self._family_auto_map}

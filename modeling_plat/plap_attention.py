@@ -60,6 +60,11 @@ def plap_attention_weights(query, key, value, p, attn_mask=None, is_causal=False
     paper: M = A * P.  euler: M = W_off + diag(1 - rowsum(W_off)) with W_off = A * P off the self pairs.
     Rows whose every key is masked are zero. Inputs are assumed checked (see ``plap_attention``).
     """
+    with torch.autocast(query.device.type, enabled=False):  # autocast would run the matmuls in half precision
+        return _weights_float32(query, key, value, p, attn_mask, is_causal, eps, formulation)
+
+
+def _weights_float32(query, key, value, p, attn_mask, is_causal, eps, formulation):
     num_queries, num_keys = query.shape[-2], key.shape[-2]
     compute_dtype = torch.promote_types(query.dtype, torch.float32)
     q, k, v = query.to(compute_dtype), key.to(compute_dtype), value.to(compute_dtype)
@@ -89,7 +94,8 @@ def plap_attention_weights(query, key, value, p, attn_mask=None, is_causal=False
 
 def _eager(query, key, value, p, attn_mask, is_causal, eps, formulation):
     weights = plap_attention_weights(query, key, value, p, attn_mask, is_causal, eps, formulation)
-    return (weights @ value.to(weights.dtype)).to(query.dtype)
+    with torch.autocast(query.device.type, enabled=False):
+        return (weights @ value.to(weights.dtype)).to(query.dtype)
 
 
 def _check_inputs(query, key, value, p, attn_mask, eps, formulation):

@@ -1,0 +1,94 @@
+"""Forward and backward stay finite at the edges: p at its bounds, coinciding tokens, padding-only rows,
+large activations, long sequences and bf16 autocast, for every backend that runs on this machine."""
+
+import pytest
+import torch
+
+from modeling_plat import BACKENDS, plap_attention
+from modeling_plat.plap_attention import resolve_backend
+from tiny import classifier, lm
+
+EDGE_P = [1.0, 1.01, 1.5, 2.0, 2.5, 3.0]
+
+
+def runnable_backends():
+    names = []
+    probe = torch.zeros(1, 1, 2, 4)
+    for name in BACKENDS:
+        if name == "auto":
+            continue
+        try:
+            resolve_backend(name, probe)
+        except (ValueError, ImportError):
+            continue
+        names.append(name)
+    return names
+
+
+def assert_finite_forward_backward(q, k, v, p, **kwargs):
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    out = plap_attention(q, k, v, p, **kwargs)
+    assert torch.isfinite(out).all()
+    (out.float() ** 2).sum().backward()
+    for name, t in zip("qkv", (q, k, v)):
+        assert torch.isfinite(t.grad).all(), f"d{name} not finite"
+    return out
+
+
+@pytest.mark.parametrize("backend", runnable_backends())
+@pytest.mark.parametrize("formulation", ["paper", "euler"])
+@pytest.mark.parametrize("p", EDGE_P)
+def test_coinciding_tokens_and_padding_rows(backend, formulation, p):
+    torch.manual_seed(0)
+    q, k, v = torch.randn(3, 2, 2, 33, 16).unbind(0)
+    v[:, :, 5:20] = v[:, :, 4:5]  # a run of identical values (repeated words / blank patches)
+    mask = torch.ones(2, 1, 1, 33, dtype=torch.bool)
+    mask[1, ..., :] = False  # a sequence that is all padding
+    out = assert_finite_forward_backward(q, k, v, p, attn_mask=mask, is_causal=True, formulation=formulation,
+                                         backend=backend)
+    assert (out[1] == 0).all()
+
+
+@pytest.mark.parametrize("backend", runnable_backends())
+@pytest.mark.parametrize("scale", [1e-4, 1e3])
+def test_tiny_and_large_activations(backend, scale):
+    torch.manual_seed(0)
+    q, k, v = (t * scale for t in torch.randn(3, 1, 2, 40, 16).unbind(0))
+    for p in (1.0, 3.0):
+        assert_finite_forward_backward(q, k, v, p, backend=backend)
+
+
+@pytest.mark.parametrize("backend", runnable_backends())
+def test_long_sequence(backend):
+    torch.manual_seed(0)
+    q, k, v = torch.randn(3, 1, 2, 1500, 16).unbind(0)
+    assert_finite_forward_backward(q, k, v, [1.5, 2.5], is_causal=True, backend=backend)
+
+
+@pytest.mark.parametrize("family", ["text", "vision"])
+def test_bf16_autocast_training_step_is_finite(family):
+    model = (lm() if family == "text" else classifier(plap_p=[1.0, 1.5, 3.0])).train()
+    if family == "text":
+        inputs = dict(input_ids=torch.randint(2, 61, (2, 24)), labels=torch.randint(2, 61, (2, 24)))
+    else:
+        inputs = dict(pixel_values=torch.randn(2, 3, 16, 16), labels=torch.tensor([0, 4]))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(**inputs).loss
+    loss.backward()
+    assert torch.isfinite(loss)
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+def test_duplicate_patches_train_without_divergence():
+    """A blank image (every patch identical) at the paper's p mix and a preset-like learning rate."""
+    model = classifier(plap_p=[1.5, 1.5, 2.5]).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    pixels = torch.zeros(4, 3, 16, 16)
+    pixels[2:] = torch.randn(2, 3, 16, 16)
+    labels = torch.tensor([0, 0, 1, 2])
+    for _ in range(10):
+        loss = model(pixels, labels=labels).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        assert torch.isfinite(loss)
