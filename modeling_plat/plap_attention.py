@@ -17,7 +17,10 @@ eps = 1e-6 is below fp16 resolution and the (p - 4) / 2 powers of the backward o
 import torch
 
 FORMULATIONS = ("paper", "euler")
-BACKENDS = ("auto", "eager")
+BACKENDS = ("auto", "eager", "tiled", "triton")
+# Below this many scores per head (Nq * Nk) the eager path beats the tiled one on CPU: its few large
+# kernels cost less than the tiled loop's per-tile overhead (measured by benchmarks/bench_attention.py).
+EAGER_MAX_SCORES_CPU = 64 * 64
 
 
 def _allowed_positions(attn_mask, is_causal, num_queries, num_keys, device):
@@ -139,11 +142,38 @@ def _check_inputs(query, key, value, p, attn_mask, eps, formulation):
             ) from None
 
 
-def resolve_backend(backend, query):
-    """The backend that ``backend`` names for this input; "auto" picks the fastest correct one."""
+def resolve_backend(backend, query, key=None, attn_mask=None, p=None):
+    """The backend that ``backend`` names for this input; "auto" picks the fastest correct one.
+
+    eager: the reference above, (B, H, Nq, Nk) memory, any input, the only one that differentiates p.
+    tiled: plap_attention_tiled.py, O(N) extra memory, any input except a p that requires grad.
+    triton: plap_attention_triton.py, fused kernels for CUDA (or CPU under TRITON_INTERPRET=1),
+        float32/bfloat16/float16, masks broadcastable to (B, 1, 1, Nk) (key padding) only.
+    An explicit choice that cannot run the input raises a ValueError saying why; it is never replaced.
+    """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}")
-    return "eager" if backend == "auto" else backend
+    p_trains = p is not None and p.requires_grad and torch.is_grad_enabled()
+    if backend == "auto":
+        if p_trains:
+            return "eager"
+        if query.device.type == "cuda":
+            from .plap_attention_triton import triton_unsupported_reason
+
+            if triton_unsupported_reason(query, attn_mask) is None:
+                return "triton"
+        num_keys = query.shape[-2] if key is None else key.shape[-2]
+        small = query.device.type == "cpu" and query.shape[-2] * num_keys <= EAGER_MAX_SCORES_CPU
+        return "eager" if small else "tiled"
+    if backend != "eager" and p_trains:
+        raise ValueError(f"backend {backend!r} computes no gradient for p, which requires grad; use 'eager'")
+    if backend == "triton":
+        from .plap_attention_triton import triton_unsupported_reason
+
+        reason = triton_unsupported_reason(query, attn_mask)
+        if reason is not None:
+            raise ValueError(f"backend 'triton' cannot run this input: {reason}")
+    return backend
 
 
 def plap_attention(
@@ -160,7 +190,7 @@ def plap_attention(
         is_causal: causal mask, bottom-right aligned when Nq < Nk.
         eps: added to the squared distances before the power.
         formulation: "paper" (eq. 12) or "euler" (exact Euler step of eq. 7).
-        backend: "auto" or one of ``BACKENDS``.
+        backend: "auto" or one of ``BACKENDS`` (see ``resolve_backend``).
 
     Returns:
         (B, H, Nq, dv) tensor in the dtype of ``query``; rows with every key masked are zero.
@@ -169,5 +199,13 @@ def plap_attention(
     if p.dim() == 0:
         p = p.expand(query.shape[1])
     _check_inputs(query, key, value, p, attn_mask, eps, formulation)
-    backend = resolve_backend(backend, query)
+    backend = resolve_backend(backend, query, key, attn_mask, p)
+    if backend == "tiled":
+        from .plap_attention_tiled import plap_attention_tiled
+
+        return plap_attention_tiled(query, key, value, p, attn_mask, is_causal, eps, formulation)
+    if backend == "triton":
+        from .plap_attention_triton import plap_attention_triton
+
+        return plap_attention_triton(query, key, value, p, attn_mask, is_causal, eps, formulation)
     return _eager(query, key, value, p, attn_mask, is_causal, eps, formulation)

@@ -1,0 +1,245 @@
+"""Every p-Laplacian attention backend against the independent float64 reference (tests/reference.py).
+
+Outputs and the gradients of q, k and v, as relative errors ||ours - ref|| / ||ref||, over awkward shapes.
+Without CUDA the Triton kernels run under the Triton interpreter: TRITON_INTERPRET=1 is set here before
+anything imports the Triton module (triton.jit reads it when the kernels are decorated). The interpreter
+cannot multiply bfloat16 tensors (tl.dot treats their bits as integers, triton-lang/triton#11584), so
+there the half-precision case is float16.
+"""
+
+import importlib
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from modeling_plat import plap_attention  # noqa: E402
+from modeling_plat import plap_attention_triton as triton_module  # noqa: E402
+from modeling_plat.plap_attention import resolve_backend  # noqa: E402
+from modeling_plat.plap_attention_tiled import plap_attention_tiled  # noqa: E402
+from reference import reference_plap_attention  # noqa: E402
+
+TRITON_MISSING = triton_module.triton is None
+needs_triton = pytest.mark.skipif(TRITON_MISSING, reason="triton is not installed (pip install triton)")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOLERANCE = {torch.float64: 1e-8, torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 2e-2}
+P_MIX = (1.1, 1.5, 2.0, 2.5, 3.0)
+
+
+def make_inputs(batch, heads, nq, nk, d, dv, dtype, seed=0, duplicates=False):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, heads, nq, d, generator=gen, dtype=torch.float64)
+    k = torch.randn(batch, heads, nk, d, generator=gen, dtype=torch.float64)
+    v = torch.randn(batch, heads, nk, dv, generator=gen, dtype=torch.float64)
+    if duplicates:
+        v[:, :, 1] = v[:, :, 0]  # zero distance off the diagonal, and for p < 2 a huge weight
+        v[:, :, -1] = v[:, :, 0]
+    p = torch.tensor([P_MIX[h % len(P_MIX)] for h in range(heads)])
+    return [t.to(DEVICE, dtype).requires_grad_() for t in (q, k, v)], p.to(DEVICE)
+
+
+def make_mask(kind, batch, heads, nq, nk):
+    """None, key padding (B, 1, 1, Nk) with one sequence fully masked, or a full (B, H, Nq, Nk) mask."""
+    if kind is None:
+        return None
+    gen = torch.Generator().manual_seed(1)
+    if kind == "padding":
+        keep = torch.ones(batch, nk, dtype=torch.bool)
+        keep[0, :3] = False  # left padding
+        keep[-1, :] = False  # a sequence with every key masked: its rows output zeros
+        return keep[:, None, None, :].to(DEVICE)
+    keep = torch.rand(batch, heads, nq, nk, generator=gen) > 0.4
+    keep[0, 0, nq // 2] = False  # one fully masked row
+    return keep.to(DEVICE)
+
+
+def relative_error(actual, expected):
+    return ((actual.double() - expected.double()).norm() / expected.double().norm().clamp_min(1e-30)).item()
+
+
+def check(run, inputs, p, dtype, **kwargs):
+    q, k, v = inputs
+    out = run(q, k, v, p, **kwargs)
+    assert out.dtype == q.dtype and out.shape == q.shape[:3] + v.shape[-1:]
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    grads = torch.autograd.grad(out, (q, k, v), grad_out.to(out))
+    ref_inputs = [t.detach().double().requires_grad_() for t in inputs]
+    ref = reference_plap_attention(*ref_inputs, p.double(), **kwargs)
+    ref_grads = torch.autograd.grad(ref, ref_inputs, grad_out.to(ref))
+    tol = TOLERANCE[dtype]
+    for name, ours, theirs in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref, *ref_grads)):
+        assert torch.isfinite(ours).all(), name
+        assert relative_error(ours, theirs) <= tol, (name, relative_error(ours, theirs))
+
+
+def tiled_small_blocks(*args, **kwargs):
+    """Blocks much smaller than the sequences: several online-softmax steps and partial tiles."""
+    return plap_attention_tiled(*args, **kwargs, blocks=(1, 16, 24))
+
+
+def triton_small_blocks(*args, **kwargs):
+    return triton_module.plap_attention_triton(*args, **kwargs, blocks=(16, 16))
+
+
+# (B, H, Nq, Nk, d, dv): square and awkward; Nq < Nk (a KV cache, bottom-right aligned); one query.
+SHAPES = [(2, 5, 63, 63, 60, 60), (2, 3, 21, 50, 16, 24), (3, 2, 1, 33, 16, 8)]
+TORCH_BACKENDS = {
+    "eager": lambda *a, **kw: plap_attention(*a, **kw, backend="eager"),
+    "tiled": lambda *a, **kw: plap_attention(*a, **kw, backend="tiled"),
+    "tiled-small-blocks": tiled_small_blocks,
+}
+
+
+@pytest.mark.parametrize("formulation", ["paper", "euler"])
+@pytest.mark.parametrize("mask", [None, "padding", "full"])
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("backend", TORCH_BACKENDS)
+def test_torch_backends_float32(backend, shape, is_causal, mask, formulation):
+    inputs, p = make_inputs(*shape, torch.float32)
+    attn_mask = make_mask(mask, *shape[:4])
+    kwargs = dict(attn_mask=attn_mask, is_causal=is_causal, formulation=formulation)
+    check(TORCH_BACKENDS[backend], inputs, p, torch.float32, **kwargs)
+
+
+@pytest.mark.parametrize("formulation", ["paper", "euler"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("backend", ["tiled", "tiled-small-blocks"])
+def test_tiled_half_precision(backend, dtype, formulation):
+    shape = (2, 5, 40, 47, 32, 32)
+    inputs, p = make_inputs(*shape, dtype)
+    check(TORCH_BACKENDS[backend], inputs, p, dtype, is_causal=True, formulation=formulation)
+
+
+@pytest.mark.parametrize("formulation", ["paper", "euler"])
+@pytest.mark.parametrize("backend", ["tiled", "tiled-small-blocks"])
+def test_tiled_duplicate_values_float64(backend, formulation):
+    # Exact duplicates in float64: the |a|^2 + |b|^2 - 2 a.b expansion of every backend rounds a zero
+    # distance to ~ulp(|v|^2), which in float32 (~1e-5 here) exceeds eps = 1e-6 and changes the weight
+    # (D2 + eps)^((p - 2) / 2) of such a pair by O(1): a float32 limit of the design, not of a backend.
+    shape = (2, 5, 30, 30, 20, 20)
+    inputs, p = make_inputs(*shape, torch.float64, duplicates=True)
+    check(TORCH_BACKENDS[backend], inputs, p, torch.float64, attn_mask=make_mask("padding", *shape[:4]),
+          formulation=formulation)  # fmt: skip
+
+
+@pytest.mark.parametrize("formulation", ["paper", "euler"])
+def test_tiled_duplicate_values_float32_stay_finite(formulation):
+    inputs, p = make_inputs(2, 5, 30, 30, 20, 20, torch.float32, duplicates=True)
+    out = tiled_small_blocks(*inputs, p, formulation=formulation)
+    grads = torch.autograd.grad(out.square().sum(), inputs)
+    assert all(torch.isfinite(t).all() for t in (out, *grads))
+
+
+def test_tiled_p2_is_softmax_attention():
+    inputs, _ = make_inputs(2, 4, 37, 37, 16, 16, torch.float32)
+    p = torch.full((4,), 2.0, device=DEVICE)
+    for formulation in ("paper", "euler"):
+        ours = tiled_small_blocks(*inputs, p, is_causal=True, formulation=formulation)
+        sdpa = F.scaled_dot_product_attention(*inputs, is_causal=True)
+        torch.testing.assert_close(ours, sdpa, rtol=1e-5, atol=1e-6)
+
+
+def test_p_requiring_grad():
+    inputs, p = make_inputs(1, 2, 8, 8, 4, 4, torch.float32)
+    p.requires_grad_()
+    with pytest.raises(ValueError, match="no gradient for p"):
+        plap_attention(*inputs, p, backend="tiled")
+    assert resolve_backend("auto", inputs[0], inputs[1], None, p) == "eager"
+    plap_attention(*inputs, p).sum().backward()  # auto: eager, which differentiates p
+    assert p.grad is not None and torch.isfinite(p.grad).all()
+
+
+def test_auto_backend_choice():
+    small, _ = make_inputs(1, 2, 8, 8, 4, 4, torch.float32)
+    large, _ = make_inputs(1, 2, 300, 300, 4, 4, torch.float32)
+    if DEVICE == "cpu":
+        assert resolve_backend("auto", small[0], small[1]) == "eager"
+        assert resolve_backend("auto", large[0], large[1]) == "tiled"
+    with pytest.raises(ValueError, match="backend must be one of"):
+        resolve_backend("flash", small[0])
+
+
+def test_triton_unavailable_is_an_error(monkeypatch):
+    query = torch.zeros(1, 1, 4, 4)
+    monkeypatch.setattr(triton_module, "INTERPRETED", False)
+    if not TRITON_MISSING:
+        with pytest.raises(ValueError, match="need CUDA tensors"):
+            resolve_backend("triton", query)
+    monkeypatch.setattr(triton_module, "triton", None)
+    with pytest.raises(ValueError, match="triton is not installed"):
+        resolve_backend("triton", query)
+
+
+@needs_triton
+def test_triton_rejects_general_masks():
+    query = torch.zeros(2, 3, 4, 4, device=DEVICE)
+    full_mask = torch.ones(2, 3, 4, 4, dtype=torch.bool, device=DEVICE)
+    with pytest.raises(ValueError, match="key-padding"):
+        resolve_backend("triton", query, attn_mask=full_mask)
+    assert resolve_backend("triton", query, attn_mask=full_mask[:, :1, :1]) == "triton"
+
+
+TRITON_SHAPES = [(2, 3, 33, 33, 16, 16), (2, 2, 17, 33, 16, 24)]
+TRITON_DTYPES = [torch.float32, torch.bfloat16 if DEVICE == "cuda" else torch.float16]
+
+
+@needs_triton
+@pytest.mark.parametrize("formulation", ["paper", "euler"])
+@pytest.mark.parametrize("mask", [None, "padding"])
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("shape", TRITON_SHAPES, ids=str)
+def test_triton_float32(shape, is_causal, mask, formulation):
+    inputs, p = make_inputs(*shape, torch.float32)
+    kwargs = dict(attn_mask=make_mask(mask, *shape[:4]), is_causal=is_causal, formulation=formulation)
+    check(triton_small_blocks, inputs, p, torch.float32, **kwargs)
+
+
+@needs_triton
+@pytest.mark.parametrize("formulation", ["paper", "euler"])
+@pytest.mark.parametrize("dtype", TRITON_DTYPES[1:])
+def test_triton_half_precision(dtype, formulation):
+    shape = TRITON_SHAPES[1]
+    inputs, p = make_inputs(*shape, dtype)
+    check(triton_small_blocks, inputs, p, dtype, attn_mask=make_mask("padding", *shape[:4]), is_causal=True,
+          formulation=formulation)  # fmt: skip
+
+
+@needs_triton
+@pytest.mark.parametrize("formulation", ["paper", "euler"])
+def test_triton_default_blocks_through_dispatcher(formulation):
+    inputs, p = make_inputs(2, 3, 70, 70, 16, 16, torch.float32)
+    run = lambda *a, **kw: plap_attention(*a, **kw, backend="triton")  # noqa: E731
+    check(run, inputs, p, torch.float32, is_causal=True, formulation=formulation)
+
+
+@needs_triton
+@pytest.mark.slow
+@pytest.mark.parametrize("formulation", ["paper", "euler"])
+@pytest.mark.parametrize("shape", [(2, 5, 63, 63, 60, 60), (1, 2, 1, 45, 32, 16)], ids=str)
+def test_triton_awkward_shapes(shape, formulation):
+    inputs, p = make_inputs(*shape, torch.float32)
+    check(triton_small_blocks, inputs, p, torch.float32, attn_mask=make_mask("padding", *shape[:4]),
+          is_causal=True, formulation=formulation)  # fmt: skip
+
+
+def test_triton_module_imports_without_triton(monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_triton(name, *args, **kwargs):
+        if name == "triton" or name.startswith("triton."):
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_triton)
+    spec = importlib.util.spec_from_file_location("plap_attention_triton_without", triton_module.__file__)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.triton is None
+    assert "not installed" in module.triton_unsupported_reason(torch.zeros(1, 1, 2, 2))
