@@ -1,0 +1,134 @@
+"""The spectral and energy diagnostics: analytic values, two independent computations of each quantity,
+the p = 2 oracle, and the command line on tiny saved models."""
+
+import json
+import math
+
+import pytest
+import torch
+from tiny import text_config, vision_config
+
+from modeling_plat import PlatForCausalLM, PlatForImageClassification
+from plat_train import diagnostics
+from plat_train.diagnostics import hc_dc_ratio, largest_abs_eigenvalue, p_dirichlet_energy
+from plat_train.image_processing_plat import PlatImageProcessor
+from plat_train.lm_data import train_tokenizer
+
+
+def _random_stochastic(shape, generator):
+    return torch.softmax(torch.randn(shape, generator=generator, dtype=torch.float64) * 2, dim=-1)
+
+
+def test_hc_dc_ratio_of_a_constant_signal_is_zero():
+    constant = torch.full((12, 5), 3.7)
+    assert hc_dc_ratio(constant).item() == pytest.approx(0.0, abs=1e-6)
+
+
+@pytest.mark.parametrize("offset", [0.5, 0.01])
+def test_hc_dc_ratio_of_the_highest_frequency_is_its_analytic_value(offset):
+    # z[n] = c + (-1)^n, N even: DC = c * 1 (norm |c| sqrt(N)), HC = (-1)^n (norm sqrt(N)), ratio 1 / |c|.
+    alternating = (-1.0) ** torch.arange(16, dtype=torch.float64)
+    signal = (offset + alternating)[:, None]  # (N, 1)
+    assert hc_dc_ratio(signal).item() == pytest.approx(1 / offset, rel=1e-9)
+
+
+def test_hc_dc_ratio_by_fft_equals_projection_on_the_dc_vector():
+    features = torch.randn(3, 2, 17, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    ones = torch.ones(17, 1, dtype=torch.float64) / math.sqrt(17)  # f_1, the unit DC vector
+    dc = ones @ (ones.T @ features)  # projection on f_1, (..., N, D)
+    expected = (features - dc).flatten(-2).norm(dim=-1) / dc.flatten(-2).norm(dim=-1)
+    torch.testing.assert_close(hc_dc_ratio(features), expected)
+
+
+def _energy_by_double_loop(features, kernel, p):
+    """J = (1/p) sum_{x,y} k(x,y) ||u(y) - u(x)||^p, one head at a time, one pair at a time."""
+    heads, tokens = kernel.shape[0], kernel.shape[-1]
+    energies = []
+    for h in range(heads):
+        total = 0.0
+        for x in range(tokens):
+            for y in range(tokens):
+                total += kernel[h, x, y] * torch.linalg.vector_norm(features[h, y] - features[h, x]) ** p[h]
+        energies.append(total / p[h])
+    return torch.stack(energies)
+
+
+def test_energy_matches_the_double_loop_for_every_p():
+    generator = torch.Generator().manual_seed(1)
+    features = torch.randn(3, 7, 4, dtype=torch.float64, generator=generator)  # (H, N, d)
+    kernel = _random_stochastic((3, 7, 7), generator)
+    p = torch.tensor([1.5, 2.0, 2.5], dtype=torch.float64)
+    torch.testing.assert_close(p_dirichlet_energy(features, kernel, p), _energy_by_double_loop(features, kernel, p))
+
+
+def test_energy_at_p_2_is_the_graph_laplacian_quadratic_form():
+    # (1/2) sum k(x,y) ||u_y - u_x||^2 = tr(U^T L U), L the Laplacian of the symmetrised kernel (k + k^T) / 2.
+    generator = torch.Generator().manual_seed(2)
+    features = torch.randn(2, 9, 5, dtype=torch.float64, generator=generator)
+    kernel = _random_stochastic((2, 9, 9), generator).tril()  # causal kernels are not symmetric
+    symmetric = (kernel + kernel.transpose(-1, -2)) / 2
+    laplacian = torch.diag_embed(symmetric.sum(-1)) - symmetric
+    quadratic_form = (features * (laplacian @ features)).sum((-1, -2))
+    torch.testing.assert_close(p_dirichlet_energy(features, kernel, 2.0), quadratic_form)
+
+
+def test_a_row_stochastic_matrix_has_largest_eigenvalue_one():
+    attention = _random_stochastic((4, 11, 11), torch.Generator().manual_seed(3))
+    torch.testing.assert_close(largest_abs_eigenvalue(attention), torch.ones(4, dtype=torch.float64))
+
+
+def test_at_p_2_the_effective_matrix_has_the_spectrum_of_softmax_attention():
+    torch.manual_seed(4)
+    model = PlatForImageClassification(vision_config(plap_p=2.0)).eval()
+    hidden = torch.randn(2, 17, 24)
+    metrics = diagnostics.attention_diagnostics(model.vit.layers[0].attention, hidden)
+    torch.testing.assert_close(metrics["lambda_max_effective"], metrics["lambda_max_softmax"])
+    torch.testing.assert_close(metrics["lambda_max_softmax"], torch.ones(3, dtype=torch.float64))
+
+
+def test_diagnose_reports_every_layer_and_head():
+    torch.manual_seed(5)
+    model = PlatForCausalLM(text_config()).eval()
+    report = diagnostics.diagnose(model, {"input_ids": torch.randint(2, 61, (2, 12)), "use_cache": False})
+    assert len(report["hidden_hc_dc_ratio"]) == 3  # embeddings + 2 blocks
+    assert [layer["p"] for layer in report["layers"]] == [[1.5, 1.5, 2.5, 2.5]] * 2
+    for layer in report["layers"]:
+        assert all(len(layer[name]) == 4 for name in diagnostics.PER_HEAD_METRICS)
+        # A causal kernel is triangular with A[0, 0] = 1: its spectral radius is exactly 1.
+        assert layer["lambda_max_softmax"] == pytest.approx([1.0] * 4)
+
+
+def _save_classifier(folder, p, seed):
+    torch.manual_seed(seed)
+    config = vision_config(num_channels=1, image_size=28, patch_size=7, plap_p=p)
+    PlatForImageClassification(config).save_pretrained(folder)
+    PlatImageProcessor(do_grayscale=True, size={"height": 28, "width": 28}, image_mean=[0.286],
+                       image_std=[0.353]).save_pretrained(folder)
+
+
+def test_command_line_on_tiny_image_models_writes_json_and_pngs(tmp_path):
+    _save_classifier(tmp_path / "softmax", 2.0, seed=6)
+    _save_classifier(tmp_path / "plat", [1.5, 1.5, 2.5], seed=6)
+    out = tmp_path / "out"
+    diagnostics.main(["--model", str(tmp_path / "softmax"), "--model", str(tmp_path / "plat"), "--task", "image",
+                      "--batch_size", "4", "--out", str(out)])
+    report = json.loads((out / "diagnostics.json").read_text())
+    assert set(report["models"]) == {"softmax", "plat"}
+    assert report["models"]["plat"]["input_shape"] == [4, 1, 28, 28]
+    assert len(report["models"]["softmax"]["hidden_hc_dc_ratio"]) == 3
+    for name in ("hc_dc_ratio.png", "energy.png", "spectrum.png"):
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_command_line_on_a_tiny_language_model_reads_a_text_file(tmp_path):
+    lines = ["the cat sat on the mat", "a dog ran after the cat", "the mat was red"] * 4
+    (tmp_path / "text.txt").write_text("\n".join(lines))
+    torch.manual_seed(7)
+    PlatForCausalLM(text_config(plap_formulation="euler")).save_pretrained(tmp_path / "lm")
+    train_tokenizer(lines, "word").save_pretrained(tmp_path / "lm")
+    out = tmp_path / "out"
+    diagnostics.main(["--model", str(tmp_path / "lm"), "--task", "text", "--inputs", str(tmp_path / "text.txt"),
+                      "--batch_size", "2", "--block_size", "16", "--out", str(out)])
+    result = json.loads((out / "diagnostics.json").read_text())["models"]["lm"]
+    assert result["formulation"] == "euler" and result["input_shape"] == [2, 16]
+    assert (out / "spectrum.png").is_file()
