@@ -20,7 +20,9 @@ For a batch of real inputs, every attention layer l of a model is measured on th
 * ``lambda_max_softmax`` / ``lambda_max_effective``: the largest |eigenvalue| of A and of the effective
   matrix M (paper formulation: A ⊙ P; euler: its Euler-step matrix), Theorems 4.3-4.4: a row-stochastic
   A has 1; M with lambda_max > 1 (and 1 not its Perron vector) is not a low-pass filter. For a causal A
-  the matrices are lower triangular, so the eigenvalues are the diagonal: the self-weights.
+  the matrices are lower triangular, so the eigenvalues are the diagonal, the self-weights: the first
+  token has A[0, 0] = 1, so a causal paper-formulation head has lambda_max >= P[0, 0] = eps^((p - 2) / 2)
+  (31.6 for p = 1.5 and the default eps), a property of eq. 12's diagonal rather than of what was learned.
 
 Every figure is a batch mean. Command line::
 
@@ -312,23 +314,27 @@ def _save(fig, path):
     return path
 
 
-def _unique_names(paths):
-    names = {}
-    for path in paths:
-        base = Path(path).resolve().name or str(path)
-        name, suffix = base, 2
-        while name in names:
-            name, suffix = f"{base}-{suffix}", suffix + 1
-        names[name] = path
-    return names
+def name_models(specs):
+    """``NAME=PATH`` or ``PATH`` strings -> {name: path}; a bare path is named by its folder, made unique."""
+    named = {}
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep:
+            name, path = Path(spec).resolve().name or spec, spec
+        unique, suffix = name, 2
+        while unique in named:
+            unique, suffix = f"{name}-{suffix}", suffix + 1
+        named[unique] = path
+    return named
 
 
-def run(model_paths, task, out_dir, inputs_file=None, batch_size=16, block_size=128):
-    """Diagnose every model on the same inputs; write ``diagnostics.json`` and the PNGs into ``out_dir``."""
+def run(models, task, out_dir, inputs_file=None, batch_size=16, block_size=128):
+    """Diagnose every model of ``models`` ({name: checkpoint path}) on the same inputs; write
+    ``diagnostics.json`` and the PNGs into ``out_dir``. Returns the paths written."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     results = {}
-    for name, path in _unique_names(model_paths).items():
+    for name, path in models.items():
         model = load_model(path, task)
         if task == "text":
             batch = text_batch(path, model.config, inputs_file, batch_size, block_size)
@@ -350,8 +356,9 @@ def run(model_paths, task, out_dir, inputs_file=None, batch_size=16, block_size=
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m plat_train.diagnostics", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", action="append", required=True,
-                        help="a saved p-LaT checkpoint, or a GPT-2 / ViT one (measured as p = 2); repeat to compare")
+    parser.add_argument("--model", action="append", required=True, metavar="[NAME=]PATH",
+                        help="a saved p-LaT checkpoint, or a GPT-2 / ViT one (measured as p = 2); repeat to "
+                             "compare; NAME labels it in the JSON and plots (default: the folder name)")
     parser.add_argument("--task", choices=["text", "image"], required=True)
     parser.add_argument("--inputs", default=None,
                         help="text: a .txt file, one text per line (default: PTB validation); "
@@ -361,7 +368,7 @@ def main(argv=None):
     parser.add_argument("--block_size", type=int, default=128, help="text: tokens per sequence (at most the "
                                                                      "model's max_position_embeddings)")
     args = parser.parse_args(argv)
-    for path in run(args.model, args.task, args.out, args.inputs, args.batch_size, args.block_size):
+    for path in run(name_models(args.model), args.task, args.out, args.inputs, args.batch_size, args.block_size):
         print(f"wrote {path}")
 
 
