@@ -87,7 +87,11 @@ def load_raw_splits(dataset_name=None, dataset_config_name=None, train_file=None
         num_validation = max(1, len(train) * validation_split_percentage // 100)
         raw["validation"] = train.select(range(len(train) - num_validation, len(train)))
         raw["train"] = train.select(range(len(train) - num_validation))
-    return {split: _text_column_only(ds, split) for split, ds in raw.items() if split in SPLITS}
+    splits = {split: _text_column_only(ds, split) for split, ds in raw.items() if split in SPLITS}
+    for split, dataset in splits.items():
+        if not any(text and text.strip() for text in iter_texts(dataset)):
+            raise ValueError(f"The {split} data is empty: it has no text")
+    return splits
 
 
 def _canonical_split(name):
@@ -95,12 +99,15 @@ def _canonical_split(name):
 
 
 def _text_column_only(dataset, split):
+    """The ``text`` column, else the first string column (the first column if the types are unknown)."""
     columns = dataset.column_names
     if not columns:
         raise ValueError(f"The {split} data has no columns: is the file empty?")
-    column = "text" if "text" in columns else columns[0]
+    features = dataset.features or {}
+    strings = [name for name in columns if getattr(features.get(name), "dtype", None) in ("string", "large_string")]
+    column = "text" if "text" in columns else (strings or columns)[0]
     if column != "text":
-        logger.info(f"No 'text' column in the {split} data: using its first column, {column!r}")
+        logger.info(f"No 'text' column in the {split} data: using its column {column!r}")
         dataset = dataset.rename_column(column, "text")
     return dataset.select_columns(["text"])
 
@@ -162,8 +169,6 @@ def train_tokenizer(texts, tokenizer_type="auto", vocab_size=None, model_max_len
         backend.train_from_iterator(texts, trainer=trainer)
     else:
         raise ValueError(f"tokenizer_type must be 'auto', 'word' or 'bpe'; got {tokenizer_type!r}")
-    if backend.get_vocab_size() <= len(special_tokens):
-        raise ValueError("The training data is empty: no words to build a vocabulary from")
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token=UNK_TOKEN, eos_token=EOS_TOKEN)
     if model_max_length is not None:
         tokenizer.model_max_length = model_max_length

@@ -1,0 +1,284 @@
+"""run_clm.py end to end on tiny generated text and a slice of the embedded Penn Treebank, the sliding-window
+evaluation against direct per-token scoring, resuming, two-process DDP, and the clear errors for bad input."""
+
+import importlib.util
+import json
+import math
+import os
+import random
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import datasets
+import huggingface_hub
+import pytest
+import torch
+from tiny import lm
+from torch.nn import functional as F
+from transformers import AutoModelForCausalLM, pipeline
+
+import modeling_plat  # noqa: F401
+from plat_train.common import HubUnreachableError
+from plat_train.lm_data import (
+    iter_texts,
+    load_penn_treebank,
+    token_stream,
+    tokenize_splits,
+    train_tokenizer,
+    unigram_perplexity,
+)
+from plat_train.lm_eval import sliding_window_metrics, window_plan
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "run_clm.py"
+
+spec = importlib.util.spec_from_file_location("run_clm", SCRIPT)
+run_clm = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(run_clm)
+
+BLOCK = 16
+TINY_MODEL = ["--model_type", "plat", "--config_overrides",
+              f"hidden_size=32,num_hidden_layers=2,num_attention_heads=4,max_position_embeddings={BLOCK}"]
+FAST = ["--per_device_train_batch_size", "4", "--per_device_eval_batch_size", "4", "--report_to", "none",
+        "--logging_steps", "1", "--dataloader_pin_memory", "false"]
+WORDS = "the a cat dog sat ran on under mat tree big small red blue quick slow and then it was".split()
+
+
+def write_lines(path, num_lines, seed=0):
+    rng = random.Random(seed)
+    lines = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 12))) for _ in range(num_lines)]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def text_files(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("text")
+    return {split: write_lines(folder / f"{split}.txt", lines, seed)
+            for split, lines, seed in (("train", 300, 0), ("validation", 40, 1), ("test", 40, 2))}
+
+
+def files_args(text_files):
+    return ["--train_file", str(text_files["train"]), "--validation_file", str(text_files["validation"]),
+            "--test_file", str(text_files["test"])]
+
+
+def results(output_dir):
+    return json.loads((Path(output_dir) / "all_results.json").read_text())
+
+
+def test_text_files_train_eval_save_and_reload(text_files, tmp_path):
+    output_dir = tmp_path / "out"
+    run_clm.main([*TINY_MODEL, *files_args(text_files), *FAST, "--tokenizer_type", "word", "--do_train",
+                  "--do_eval", "--max_steps", "4", "--learning_rate", "3e-3", "--max_eval_samples", "8",
+                  "--eval_stride", str(BLOCK), "--output_dir", str(output_dir)])
+    metrics = results(output_dir)
+    for prefix in ("eval", "test"):
+        assert metrics[f"{prefix}_perplexity"] == pytest.approx(math.exp(metrics[f"{prefix}_loss"]))
+        assert 0 <= metrics[f"{prefix}_accuracy"] <= 1
+        assert metrics[f"{prefix}_samples"] == 8
+        # Windows of the block size, moved by the block size, score exactly what evaluation on blocks scores.
+        assert metrics[f"{prefix}_sliding_perplexity"] == pytest.approx(metrics[f"{prefix}_perplexity"], rel=1e-4)
+        assert metrics[f"{prefix}_sliding_tokens"] == 8 * (BLOCK - 1)
+        assert metrics[f"{prefix}_unigram_perplexity"] < len(WORDS) + 2
+    assert metrics["train_loss"] > 0
+
+    model = AutoModelForCausalLM.from_pretrained(output_dir)
+    assert model.config.vocab_size == len(WORDS) + 2  # every training word, <unk> and <eos>
+    generator = pipeline("text-generation", model=str(output_dir))
+    text = generator("the cat", max_new_tokens=5, do_sample=False)[0]["generated_text"]
+    assert text.startswith("the cat")
+
+
+def test_json_file_with_other_column_and_bpe_tokenizer(tmp_path):
+    rows = [{"id": i, "body": line} for i, line in enumerate(write_lines(tmp_path / "t.txt", 200).read_text().splitlines())]
+    train_file = tmp_path / "train.jsonl"
+    train_file.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    output_dir = tmp_path / "out"
+    run_clm.main([*TINY_MODEL, "--train_file", str(train_file), *FAST, "--tokenizer_type", "bpe",
+                  "--tokenizer_vocab_size", "300", "--do_train", "--do_eval", "--max_steps", "2",
+                  "--output_dir", str(output_dir)])
+    metrics = results(output_dir)
+    assert "eval_perplexity" in metrics and "test_perplexity" not in metrics  # validation held out of train
+    assert AutoModelForCausalLM.from_pretrained(output_dir).config.vocab_size <= 300
+
+
+def test_penn_treebank_default_on_a_slice(tmp_path):
+    output_dir = tmp_path / "out"
+    run_clm.main([*TINY_MODEL, *FAST, "--do_train", "--do_eval", "--max_train_samples", "16", "--max_steps", "2",
+                  "--max_eval_samples", "8", "--output_dir", str(output_dir)])
+    metrics = results(output_dir)
+    assert metrics["train_samples"] == 16 and metrics["eval_samples"] == metrics["test_samples"] == 8
+    assert metrics["eval_unigram_perplexity"] > 1 and metrics["test_unigram_perplexity"] > 1
+    assert AutoModelForCausalLM.from_pretrained(output_dir).config.vocab_size == 10000
+
+
+def test_penn_treebank_streams_and_unigram_floor_match_the_published_figures():
+    raw = load_penn_treebank()
+    tokenizer = train_tokenizer(iter_texts(raw["train"]))
+    tokenized = tokenize_splits(raw, tokenizer)
+    streams = {split: token_stream(dataset) for split, dataset in tokenized.items()}
+    assert {split: len(stream) for split, stream in streams.items()} == {
+        "train": 929589, "validation": 73760, "test": 82430}  # words plus one <eos> per sentence
+    assert len(tokenizer) == 10000
+    assert unigram_perplexity(streams["train"], streams["validation"], len(tokenizer)) == pytest.approx(685, abs=1)
+    assert unigram_perplexity(streams["train"], streams["test"], len(tokenizer)) == pytest.approx(640, abs=1)
+
+
+def trainer_step(output_dir):
+    return json.loads((Path(output_dir) / "trainer_state.json").read_text())["global_step"]
+
+
+def test_resume_continues_from_the_last_checkpoint(text_files, tmp_path, caplog):
+    output_dir = tmp_path / "out"
+    common = [*TINY_MODEL, *files_args(text_files), *FAST, "--tokenizer_type", "word", "--do_train",
+              "--save_strategy", "steps", "--save_steps", "2", "--output_dir", str(output_dir)]
+    run_clm.main([*common, "--max_steps", "2"])
+    assert trainer_step(output_dir) == 2 and (output_dir / "checkpoint-2").is_dir()
+    with caplog.at_level("INFO"):
+        run_clm.main([*common, "--max_steps", "4"])  # finds checkpoint-2 in output_dir by itself
+    assert "Checkpoint detected, resuming training at" in caplog.text
+    assert trainer_step(output_dir) == 4
+    run_clm.main([*common, "--max_steps", "6", "--resume_from_checkpoint", str(output_dir / "checkpoint-4")])
+    assert trainer_step(output_dir) == 6
+
+    shutil.rmtree(output_dir / "checkpoint-2"), shutil.rmtree(output_dir / "checkpoint-4")
+    shutil.rmtree(output_dir / "checkpoint-6")
+    with pytest.raises(ValueError, match="already exists and is not empty"):
+        run_clm.main([*common, "--max_steps", "2"])
+    run_clm.main([*common, "--max_steps", "2", "--overwrite_output_dir"])
+    assert trainer_step(output_dir) == 2
+
+
+def direct_sliding_nll(model, stream, context_length):
+    """Per-token scoring without windows: token t from the (up to context_length - 1) tokens before it,
+    except that tokens inside the first window see only what precedes them there."""
+    nll, correct = [], []
+    for t in range(1, len(stream)):
+        start = max(0, t - context_length + 1)
+        with torch.no_grad():
+            logits = model(input_ids=stream[None, start:t]).logits[0, -1]
+        nll.append(F.cross_entropy(logits[None], stream[t : t + 1]))
+        correct.append(bool(logits.argmax() == stream[t]))
+    return torch.stack(nll).mean().item(), sum(correct) / len(correct)
+
+
+@pytest.mark.parametrize("batch_size", [1, 5])
+def test_stride_one_is_direct_per_token_scoring(batch_size):
+    model = lm()
+    stream = torch.randint(0, model.config.vocab_size, (37,), generator=torch.Generator().manual_seed(0))
+    metrics = sliding_window_metrics(model, stream, context_length=8, stride=1, batch_size=batch_size)
+    loss, accuracy = direct_sliding_nll(model, stream, 8)
+    assert metrics["loss"] == pytest.approx(loss, rel=1e-5)
+    assert metrics["accuracy"] == pytest.approx(accuracy)
+    assert metrics["tokens"] == 36
+
+
+def test_stride_of_one_block_equals_loss_on_blocks():
+    model = lm()
+    blocks = torch.randint(0, model.config.vocab_size, (6, 10), generator=torch.Generator().manual_seed(1))
+    metrics = sliding_window_metrics(model, blocks.flatten(), context_length=10, stride=10, batch_size=4)
+    with torch.no_grad():
+        loss = model(input_ids=blocks, labels=blocks).loss.item()
+    assert metrics["loss"] == pytest.approx(loss, rel=1e-5)
+
+
+@pytest.mark.parametrize("num_tokens,length,stride", [(37, 8, 1), (37, 8, 3), (40, 8, 8), (41, 8, 8), (5, 8, 2)])
+def test_window_plan_scores_every_token_once_with_the_window_before_it(num_tokens, length, stride):
+    scored = []
+    for begin, end, first in window_plan(num_tokens, length, stride):
+        assert end - begin == min(length, num_tokens) and begin < first <= end
+        scored.extend(range(first, end))
+    # Windows as long as the stride skip their first token, like blocks; otherwise every token counts.
+    skipped = {k * length for k in range(1, num_tokens // length)} if stride == length else set()
+    assert scored == sorted(set(range(1, num_tokens)) - skipped)
+
+
+def test_config_overrides_parse_lists_and_reject_unknown_fields():
+    parsed = run_clm.parse_config_overrides("hidden_size=64,plap_p=[1.5, 2.5],hidden_act=relu,qkv_bias=false")
+    assert parsed == {"hidden_size": 64, "plap_p": [1.5, 2.5], "hidden_act": "relu", "qkv_bias": False}
+    model_args = run_clm.ModelArguments(model_type="plat", config_overrides="num_attention_heads=4,hidden_size=64")
+    config = run_clm.build_config(model_args)
+    assert config.plap_p == [1.5, 1.5, 2.5, 2.5] and config.intermediate_size == 256
+    with pytest.raises(ValueError, match="does not have"):
+        run_clm.build_config(run_clm.ModelArguments(model_type="plat", config_overrides="n_embd=10"))
+    with pytest.raises(ValueError, match="plap_p"):
+        run_clm.build_config(run_clm.ModelArguments(config_name="plat-ptb-tiny", config_overrides="plap_p=[1.5]"))
+
+
+def test_missing_file_is_reported(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nowhere.txt"):
+        run_clm.main([*TINY_MODEL, "--train_file", str(tmp_path / "nowhere.txt"), "--do_train",
+                      "--output_dir", str(tmp_path / "out")])
+
+
+def test_empty_training_data_is_reported(tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n\n")
+    with pytest.raises(ValueError, match="empty"):
+        run_clm.main([*TINY_MODEL, "--train_file", str(empty), "--validation_split_percentage", "0",
+                      "--do_train", "--output_dir", str(tmp_path / "out")])
+
+
+def test_text_shorter_than_one_block_is_reported(tmp_path):
+    short = tmp_path / "short.txt"
+    short.write_text("the cat sat on the mat\n")
+    with pytest.raises(ValueError, match="fewer than one block"):
+        run_clm.main([*TINY_MODEL, "--train_file", str(short), "--tokenizer_type", "word",
+                      "--validation_split_percentage", "0", "--do_train", "--output_dir", str(tmp_path / "out")])
+
+
+def test_block_size_beyond_the_context_is_reported(text_files, tmp_path):
+    with pytest.raises(ValueError, match="larger than the model's max_position_embeddings"):
+        run_clm.main([*TINY_MODEL, *files_args(text_files), "--block_size", str(BLOCK + 1), "--do_train",
+                      "--output_dir", str(tmp_path / "out")])
+
+
+def test_hub_dataset_while_offline_says_how_to_use_local_files(monkeypatch, tmp_path):
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(HubUnreachableError, match="--train_file"):
+        run_clm.main([*TINY_MODEL, "--dataset_name", "wikitext", "--dataset_config_name", "wikitext-103-v1",
+                      "--do_train", "--output_dir", str(tmp_path / "out")])
+
+
+def test_word_tokenizer_keeps_ids_contiguous_with_a_literal_unk():
+    tokenizer = train_tokenizer(["a b <unk> c", "b <unk> a"], "auto")
+    assert sorted(tokenizer.get_vocab().values()) == list(range(len(tokenizer)))
+    assert tokenizer("<unk> zzz")["input_ids"] == [tokenizer.unk_token_id] * 2
+
+
+def free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+LAUNCHERS = {
+    "torchrun": lambda: [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                         "--master_port", str(free_port())],
+    "accelerate": lambda: [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                           str(ROOT / "configuration/accelerate/cpu_2_processes.yaml"),
+                           "--main_process_port", str(free_port())],
+}
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", pytest.param("accelerate", marks=pytest.mark.slow)])
+def test_two_process_ddp_on_cpu_saves_a_checkpoint_that_reloads(launcher, text_files, tmp_path):
+    output_dir = tmp_path / "out"
+    command = [*LAUNCHERS[launcher](), str(SCRIPT), *TINY_MODEL, *files_args(text_files), *FAST,
+               "--tokenizer_type", "word", "--do_train", "--do_eval", "--max_steps", "3", "--save_steps", "3",
+               "--use_cpu", "--ddp_backend", "gloo", "--eval_stride", "4", "--sliding_window_batch_size", "8",
+               "--output_dir", str(output_dir)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    completed = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    metrics = results(output_dir)
+    assert "Process rank: 1" in completed.stdout + completed.stderr
+    assert trainer_step(output_dir / "checkpoint-3") == 3
+    assert math.isfinite(metrics["eval_sliding_perplexity"]) and metrics["eval_sliding_tokens"] > 0
+    model = AutoModelForCausalLM.from_pretrained(output_dir / "checkpoint-3")
+    assert model.config.vocab_size == len(WORDS) + 2
