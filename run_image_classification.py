@@ -26,14 +26,14 @@ from transformers import (
     AutoImageProcessor,
     AutoModelForImageClassification,
     HfArgumentParser,
-    TrainingArguments,
-    ViTImageProcessor,
+    ViTImageProcessorPil,
 )
 
 import modeling_plat  # noqa: F401  (registers p-LaT with the Auto classes)
 from plat_train import image_data
 from plat_train.augment import MixupCutmix, TrainTransform
 from plat_train.common import (
+    PlatTrainingArguments,
     detect_last_checkpoint,
     explain_offline_errors,
     parse_args,
@@ -68,9 +68,6 @@ class ModelArguments:
     )
     ignore_mismatched_sizes: bool = field(
         default=False, metadata={"help": "Reinitialise the classifier when num_labels differs from the saved model."}
-    )
-    overwrite_output_dir: bool = field(
-        default=False, metadata={"help": "Train from scratch into an output_dir that holds a previous run."}
     )
     cache_dir: str | None = field(default=None, metadata={"help": "Cache for Hub models and datasets."})
     model_revision: str = field(default="main", metadata={"help": "Model version (branch, tag or commit)."})
@@ -222,7 +219,7 @@ def build_image_processor(model_args, aug_args, config, is_fashion_mnist):
     }
     if config.num_channels == 1:
         return PlatImageProcessor(do_grayscale=True, **kwargs)
-    return ViTImageProcessor(**kwargs)
+    return ViTImageProcessorPil(**kwargs)
 
 
 def image_mode(num_channels):
@@ -261,7 +258,7 @@ def collate(examples):
 
 
 def main(args=None):
-    parser = HfArgumentParser((ModelArguments, DataArguments, AugmentArguments, TrainingArguments))
+    parser = HfArgumentParser((ModelArguments, DataArguments, AugmentArguments, PlatTrainingArguments))
     model_args, data_args, aug_args, training_args = parse_args(parser, args)
     # The transforms read the raw "image" column, which Trainer would drop as unused by the model.
     training_args.remove_unused_columns = False
@@ -271,7 +268,7 @@ def main(args=None):
         f"n_gpu {training_args.n_gpu}, distributed {training_args.parallel_mode.value}, "
         f"bf16 {training_args.bf16}, fp16 {training_args.fp16}"
     )
-    last_checkpoint = detect_last_checkpoint(training_args, model_args.overwrite_output_dir)
+    last_checkpoint = detect_last_checkpoint(training_args)
     transformers.set_seed(training_args.seed)
 
     with training_args.main_process_first(desc="loading data"):

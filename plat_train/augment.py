@@ -79,7 +79,8 @@ RAND_AUGMENT_OPS = {
     "Rotate": lambda img, level, rng: img.rotate(
         _signed(30.0 * level, rng), resample=Image.BILINEAR, fillcolor=_fill(img)
     ),
-    "PosterizeIncreasing": lambda img, level, rng: ImageOps.posterize(img, 4 - int(4 * level)),
+    # timm reaches 0 bits (a black image) at level 1; PIL keeps at least 1.
+    "PosterizeIncreasing": lambda img, level, rng: ImageOps.posterize(img, max(1, 4 - int(4 * level))),
     "SolarizeIncreasing": lambda img, level, rng: ImageOps.solarize(img, 256 - int(256 * level)),
     "SolarizeAdd": lambda img, level, rng: _solarize_add(img, int(110 * level)),
     "ColorIncreasing": lambda img, level, rng: ImageEnhance.Color(img).enhance(1.0 + _signed(0.9 * level, rng)),
