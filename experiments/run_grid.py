@@ -174,8 +174,8 @@ def summarize_task(task_name, records):
             row[name], row[f"{name}_std"] = mean_std(values)
         rows[variant] = row
     baseline = rows.get(BASELINE)
-    for row in rows.values():
-        if baseline is None:
+    for variant, row in rows.items():
+        if baseline is None or variant == BASELINE:
             continue
         row["difference"] = row["metric"] - baseline["metric"]
         row["relative_cost"] = row["seconds_per_step"] / baseline["seconds_per_step"]
@@ -205,7 +205,7 @@ def markdown_table(task_name, summary, steps):
     ]
     for variant, row in summary["variants"].items():
         difference = "" if "difference" not in row else f"{row['difference']:+.{digits}f}"
-        beyond = {None: "n/a (1 seed)", True: "yes", False: "no"}.get(row.get("beyond_seed_spread"), "")
+        beyond = {None: "n/a (1 seed)", True: "yes", False: "no"}.get(row.get("beyond_seed_spread", ""), "")
         cost = "" if "relative_cost" not in row else f"{row['relative_cost']:.2f}x"
         lines.append(
             f"| {variant} | `{row['overrides']}` | {len(row['seeds'])} | "
@@ -349,7 +349,8 @@ def main(argv=None):
                     failed.append((task_name, variant, seed))
     if args.dry_run:
         return
-    summarize(args.tasks, steps, args.runs_dir, args.results_dir, args.diagnostics)
+    # Every task with runs at its budget, not only those just run: grid.md describes the whole runs folder.
+    summarize(list(TASKS), steps, args.runs_dir, args.results_dir, args.diagnostics)
     if failed:
         sys.exit(f"{len(failed)} cell(s) failed: {failed}")
 

@@ -110,8 +110,8 @@ def test_command_line_on_tiny_image_models_writes_json_and_pngs(tmp_path):
     _save_classifier(tmp_path / "softmax", 2.0, seed=6)
     _save_classifier(tmp_path / "plat", [1.5, 1.5, 2.5], seed=6)
     out = tmp_path / "out"
-    diagnostics.main(["--model", f"baseline={tmp_path / 'softmax'}", "--model", str(tmp_path / "plat"), "--task", "image",
-                      "--batch_size", "4", "--out", str(out)])
+    diagnostics.main(["--model", f"baseline={tmp_path / 'softmax'}", "--model", str(tmp_path / "plat"),
+                      "--task", "image", "--batch_size", "4", "--out", str(out)])
     report = json.loads((out / "diagnostics.json").read_text())
     assert set(report["models"]) == {"baseline", "plat"}
     assert report["models"]["plat"]["input_shape"] == [4, 1, 28, 28]
