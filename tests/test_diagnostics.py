@@ -132,3 +132,18 @@ def test_command_line_on_a_tiny_language_model_reads_a_text_file(tmp_path):
     result = json.loads((out / "diagnostics.json").read_text())["models"]["lm"]
     assert result["formulation"] == "euler" and result["input_shape"] == [2, 16]
     assert (out / "spectrum.png").is_file()
+
+
+def test_a_transformers_vit_checkpoint_is_measured_as_its_softmax_baseline(tmp_path):
+    from transformers import ViTConfig, ViTForImageClassification
+
+    torch.manual_seed(8)
+    config = ViTConfig(hidden_size=24, num_hidden_layers=2, num_attention_heads=3, intermediate_size=48,
+                       image_size=28, patch_size=7, num_channels=1, num_labels=10)
+    ViTForImageClassification(config).save_pretrained(tmp_path / "vit")  # no image processor: the fallback
+    diagnostics.main(["--model", str(tmp_path / "vit"), "--task", "image", "--batch_size", "2",
+                      "--out", str(tmp_path / "out")])
+    result = json.loads((tmp_path / "out" / "diagnostics.json").read_text())["models"]["vit"]
+    assert [layer["p"] for layer in result["layers"]] == [[2.0, 2.0, 2.0]] * 2
+    for layer in result["layers"]:
+        assert layer["lambda_max_effective"] == pytest.approx(layer["lambda_max_softmax"])
