@@ -15,7 +15,7 @@ For a batch of real inputs, every attention layer l of a model is measured on th
   Summed over token pairs, averaged over the batch. Comparing it across layers is Theorem 3.4's
   "J(U^l) >= J(U^{l+1})" read with each layer's own features and kernel.
 * ``energy_after_step``: the same functional, same kernel and p, of the attention output U = M V. One
-  attention step is the (simplified) Euler step of the gradient flow of this J, so Theorem 3.4 predicts
+  attention step is the paper's (simplified) Euler step of the gradient flow of this J, so Theorem 3.4 claims
   ``energy_after_step <= energy`` layer by layer without the MLP, residual and new projections in between.
 * ``lambda_max_softmax`` / ``lambda_max_effective``: the largest |eigenvalue| of A and of the effective
   matrix M (paper formulation: A ⊙ P; euler: its Euler-step matrix), Theorems 4.3-4.4: a row-stochastic
@@ -24,9 +24,9 @@ For a batch of real inputs, every attention layer l of a model is measured on th
   token has A[0, 0] = 1, so a causal paper-formulation head has lambda_max >= P[0, 0] = eps^((p - 2) / 2)
   (31.6 for p = 1.5 and the default eps), a property of eq. 12's diagonal rather than of what was learned.
 
-Every figure is a batch mean. Command line::
+Every number is a batch mean. Command line::
 
-    python -m plat_train.diagnostics --model runs/softmax --model runs/plat --task image --out diag/
+    python -m plat_train.diagnostics --model softmax=runs/softmax --model plat=runs/plat --task image --out diag/
 """
 
 import argparse
