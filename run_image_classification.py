@@ -29,7 +29,7 @@ from transformers import (
     ViTImageProcessorPil,
 )
 
-import modeling_plat  # noqa: F401  (registers p-LaT with the Auto classes)
+from modeling_plat import PlatConfig  # importing modeling_plat registers p-LaT with the Auto classes
 from plat_train import image_data
 from plat_train.augment import MixupCutmix, TrainTransform
 from plat_train.common import (
@@ -46,6 +46,8 @@ from plat_train.image_processing_plat import PlatImageProcessor
 from plat_train.image_trainer import ImageClassificationTrainer, accuracy_metrics, top_k_indices
 
 logger = logging.getLogger(__name__)
+# So that fine-tuning a saved grayscale model reads its processor without running the folder's remote copy.
+AutoImageProcessor.register(PlatConfig, image_processor_classes={"pil": PlatImageProcessor}, exist_ok=True)
 
 DEFAULT_PRESET = "plat-fmnist-tiny"
 IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
@@ -120,7 +122,7 @@ def parse_overrides(text):
     """'a=1,b=[1.5,2.5],c=gelu' -> {'a': 1, 'b': [1.5, 2.5], 'c': 'gelu'}: commas inside brackets do not split."""
     pairs, depth, current = [], 0, ""
     for char in text:
-        depth += char in "[{" 
+        depth += char in "[{"
         depth -= char in "]}"
         if char == "," and depth == 0:
             pairs.append(current)
@@ -193,7 +195,8 @@ def build_image_processor(model_args, aug_args, config, is_fashion_mnist):
     if model_args.model_name_or_path is not None:
         try:
             saved = AutoImageProcessor.from_pretrained(
-                model_args.model_name_or_path, trust_remote_code=True, cache_dir=model_args.cache_dir
+                model_args.model_name_or_path, trust_remote_code=model_args.trust_remote_code,
+                cache_dir=model_args.cache_dir, revision=model_args.model_revision, token=model_args.token,
             )
         except (OSError, ValueError):
             saved = None
