@@ -100,7 +100,9 @@ class DataArguments:
     max_eval_samples: int | None = field(
         default=None, metadata={"help": "Use only this many blocks (their tokens, for sliding windows) per eval split."}
     )
-    streaming: bool = field(default=False, metadata={"help": "Stream the data instead of loading it (needs max_steps)."})
+    streaming: bool = field(
+        default=False, metadata={"help": "Stream the data instead of loading it (needs max_steps)."}
+    )
     preprocessing_num_workers: int | None = field(default=None, metadata={"help": "Processes for tokenisation."})
     overwrite_cache: bool = field(default=False, metadata={"help": "Re-tokenise even if a cached result exists."})
     eval_stride: int | None = field(
@@ -242,6 +244,17 @@ def evaluate_split(trainer, prefix, blocks, tokenized, train_stream, data_args, 
     return metrics
 
 
+def model_card_fields(model_args, data_args):
+    """What Trainer's model card should say about the starting point and the data."""
+    card = {"finetuned_from": model_args.model_name_or_path, "tasks": "text-generation"}
+    if data_args.dataset_name is not None:
+        card["dataset_tags"] = data_args.dataset_name
+        card["dataset"] = " ".join(filter(None, (data_args.dataset_name, data_args.dataset_config_name)))
+    elif not (data_args.train_file or data_args.validation_file or data_args.test_file):
+        card["dataset"] = "Penn Treebank (word level)"
+    return card
+
+
 def main(args=None):
     parser = HfArgumentParser((ModelArguments, DataArguments, PlatTrainingArguments))
     model_args, data_args, training_args = parse_args(parser, args)
@@ -270,7 +283,9 @@ def main(args=None):
     model = build_model(model_args, config, tokenizer)
 
     with training_args.main_process_first(desc="dataset tokenisation"):
-        tokenized = tokenize_splits(raw_splits, tokenizer, data_args.preprocessing_num_workers, data_args.overwrite_cache)
+        tokenized = tokenize_splits(
+            raw_splits, tokenizer, data_args.preprocessing_num_workers, data_args.overwrite_cache
+        )
     train_blocks = (
         pack_split(tokenized["train"], block_size, data_args.max_train_samples, "train")
         if training_args.do_train else None
@@ -311,14 +326,7 @@ def main(args=None):
             )
             record_metrics(trainer, prefix, metrics)
 
-    card = {"finetuned_from": model_args.model_name_or_path, "tasks": "text-generation"}
-    if data_args.dataset_name is not None:
-        card["dataset_tags"] = data_args.dataset_name
-        card["dataset"] = data_args.dataset_name if data_args.dataset_config_name is None else (
-            f"{data_args.dataset_name} {data_args.dataset_config_name}"
-        )
-    elif not (data_args.train_file or data_args.validation_file or data_args.test_file):
-        card["dataset"] = "Penn Treebank (word level)"
+    card = model_card_fields(model_args, data_args)
     if training_args.push_to_hub:
         trainer.push_to_hub(**card)
     else:

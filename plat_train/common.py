@@ -88,7 +88,9 @@ class PlatTrainingArguments(TrainingArguments):
 
     overwrite_output_dir: bool = field(
         default=False,
-        metadata={"help": "Train from scratch into a non-empty output_dir instead of resuming from its last checkpoint."},
+        metadata={
+            "help": "Train from scratch into a non-empty output_dir instead of resuming from its last checkpoint."
+        },
     )
 
 

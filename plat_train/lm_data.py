@@ -100,7 +100,8 @@ def _canonical_split(name):
 
 def _text_column_only(dataset, split):
     """The ``text`` column, else the first string column (the first column if the types are unknown)."""
-    columns = dataset.column_names
+    # A streamed dataset may only know its columns once read.
+    columns = dataset.column_names or list(next(iter(dataset), {}))
     if not columns:
         raise ValueError(f"The {split} data has no columns: is the file empty?")
     features = dataset.features or {}

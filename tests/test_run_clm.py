@@ -94,7 +94,8 @@ def test_text_files_train_eval_save_and_reload(text_files, tmp_path):
 
 
 def test_json_file_with_other_column_and_bpe_tokenizer(tmp_path):
-    rows = [{"id": i, "body": line} for i, line in enumerate(write_lines(tmp_path / "t.txt", 200).read_text().splitlines())]
+    lines = write_lines(tmp_path / "lines.txt", 200).read_text().splitlines()
+    rows = [{"id": i, "body": line} for i, line in enumerate(lines)]
     train_file = tmp_path / "train.jsonl"
     train_file.write_text("".join(json.dumps(row) + "\n" for row in rows))
     output_dir = tmp_path / "out"
@@ -104,6 +105,17 @@ def test_json_file_with_other_column_and_bpe_tokenizer(tmp_path):
     metrics = results(output_dir)
     assert "eval_perplexity" in metrics and "test_perplexity" not in metrics  # validation held out of train
     assert AutoModelForCausalLM.from_pretrained(output_dir).config.vocab_size <= 300
+
+
+def test_streaming_text_files(text_files, tmp_path):
+    output_dir = tmp_path / "out"
+    run_clm.main([*TINY_MODEL, *files_args(text_files), *FAST, "--tokenizer_type", "word", "--streaming",
+                  "--do_train", "--do_eval", "--max_steps", "2", "--max_eval_samples", "4", "--eval_stride", "8",
+                  "--output_dir", str(output_dir)])
+    metrics = results(output_dir)
+    assert trainer_step(output_dir) == 2
+    assert metrics["eval_sliding_tokens"] == 4 * BLOCK - 1 and math.isfinite(metrics["test_perplexity"])
+    assert "eval_unigram_perplexity" not in metrics
 
 
 def test_penn_treebank_default_on_a_slice(tmp_path):
@@ -266,7 +278,7 @@ LAUNCHERS = {
 }
 
 
-@pytest.mark.parametrize("launcher", ["torchrun", pytest.param("accelerate", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("launcher", ["torchrun", "accelerate"])
 def test_two_process_ddp_on_cpu_saves_a_checkpoint_that_reloads(launcher, text_files, tmp_path):
     output_dir = tmp_path / "out"
     command = [*LAUNCHERS[launcher](), str(SCRIPT), *TINY_MODEL, *files_args(text_files), *FAST,
@@ -282,3 +294,12 @@ def test_two_process_ddp_on_cpu_saves_a_checkpoint_that_reloads(launcher, text_f
     assert math.isfinite(metrics["eval_sliding_perplexity"]) and metrics["eval_sliding_tokens"] > 0
     model = AutoModelForCausalLM.from_pretrained(output_dir / "checkpoint-3")
     assert model.config.vocab_size == len(WORDS) + 2
+
+
+@pytest.mark.slow  # compiling takes about a minute on 2 CPU cores
+def test_torch_compile_trains_and_saves_plain_weights(text_files, tmp_path):
+    output_dir = tmp_path / "out"
+    run_clm.main([*TINY_MODEL, *files_args(text_files), *FAST, "--tokenizer_type", "word", "--do_train",
+                  "--max_steps", "2", "--torch_compile", "--output_dir", str(output_dir)])
+    model, info = AutoModelForCausalLM.from_pretrained(output_dir, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
