@@ -18,9 +18,10 @@ import torch
 
 FORMULATIONS = ("paper", "euler")
 BACKENDS = ("auto", "eager", "tiled", "triton")
-# Below this many scores per head (Nq * Nk) the eager path beats the tiled one on CPU: its few large
-# kernels cost less than the tiled loop's per-tile overhead (measured by benchmarks/bench_attention.py).
-EAGER_MAX_SCORES_CPU = 64 * 64
+# Up to this many scores in all (B * H * Nq * Nk) the eager path beats the tiled one on CPU (its few
+# kernels cost less than the tiled loop's fixed overhead; measured fwd+bwd, 1 thread: tie at 8 * 4 * 16 * 16,
+# tiled 1.3x faster at 8 * 4 * 32 * 32).
+EAGER_MAX_SCORES_CPU = 8192
 
 
 def _allowed_positions(attn_mask, is_causal, num_queries, num_keys, device):
@@ -163,7 +164,7 @@ def resolve_backend(backend, query, key=None, attn_mask=None, p=None):
             if triton_unsupported_reason(query, attn_mask) is None:
                 return "triton"
         num_keys = query.shape[-2] if key is None else key.shape[-2]
-        small = query.device.type == "cpu" and query.shape[-2] * num_keys <= EAGER_MAX_SCORES_CPU
+        small = query.device.type == "cpu" and query.shape[:-1].numel() * num_keys <= EAGER_MAX_SCORES_CPU
         return "eager" if small else "tiled"
     if backend != "eager" and p_trains:
         raise ValueError(f"backend {backend!r} computes no gradient for p, which requires grad; use 'eager'")

@@ -32,6 +32,11 @@ TILE_ELEMENTS = 1 << 18
 # Longest key block. Shorter sequences take all their keys in one block (no online rescaling);
 # longer ones are split so that a tile's rows stay long enough for efficient matmuls.
 MAX_BLOCK_K = 1024
+# Lower bound on the exponents of the softmax: PyTorch's vectorised CPU exp takes a ~50x slower path
+# for inputs whose result is below float32's smallest normal (~exp(-87.3)), and ~3x for -inf (masked
+# scores). Clamping costs a cheap pass and only lifts weights below 1.6e-38 (masked pairs included) to
+# 1.6e-38, far below rounding; rows with no allowed key are recognised by their running max instead.
+MIN_EXPONENT = -87.0
 # Causal query blocks are kept short so that the key range of each (cut at the diagonal) skips most of
 # the masked upper triangle.
 CAUSAL_BLOCK_Q = 64
@@ -99,6 +104,7 @@ class _Tiling:
         self.runs, self.bias, self.is_causal, self.eps, self.euler = runs, bias, is_causal, eps, euler
         self.needs_distance = any(c != 0 for _, _, c in runs)
         self.block_b, self.block_q, self.block_k = blocks
+        self._causal_biases = {}
         self.q = (query * self.scale).flatten(0, 1)  # (BH, Nq, d), pre-scaled
         self.k = key.flatten(0, 1)  # (BH, Nk, d)
         self.v = value.flatten(0, 1)  # (BH, Nk, dv)
@@ -132,10 +138,19 @@ class _Tiling:
             bias = _narrow(_narrow(_narrow(self.bias, 0, b0, b1), 2, q0, q1), 3, k0, k1)
             scores.unflatten(0, (-1, self.heads)).add_(bias)
         if self.is_causal and k1 - 1 > self.offset + q0:  # the tile crosses the diagonal
-            query_pos = torch.arange(q0, q1, device=scores.device) + self.offset
-            key_pos = torch.arange(k0, k1, device=scores.device)
-            scores.masked_fill_(key_pos[None, :] > query_pos[:, None], -math.inf)
+            scores.add_(self.causal_bias(self.offset + q0 - k0, q1 - q0, k1 - k0))
         return scores
+
+    def causal_bias(self, diagonal, rows, cols):
+        """(rows, cols) float tile, -inf above the given diagonal: an add is much cheaper than masked_fill."""
+        key = (diagonal, rows, cols)
+        if key not in self._causal_biases:
+            query_pos = torch.arange(rows, device=self.q.device) + diagonal
+            above = torch.arange(cols, device=self.q.device)[None, :] > query_pos[:, None]
+            self._causal_biases[key] = torch.zeros(rows, cols, dtype=self.q.dtype, device=self.q.device).masked_fill_(
+                above, -math.inf
+            )
+        return self._causal_biases[key]
 
     def distances_eps(self, rows, q0, q1, k0, k1):
         """D2 + eps of a tile, (bh, bq, bk), from |v_x|^2 + |v_y|^2 - 2 v_x.v_y; self pairs exactly eps."""
@@ -161,7 +176,7 @@ def _forward(tiling):
             tile_max = weights.amax(-1, keepdim=True)  # (bh, bq, 1)
             # The running max starts at the lowest finite value, so rows masked so far give exp(-inf) = 0.
             new_max = tile_max.clamp_min(torch.finfo(dtype).min) if first else torch.maximum(row_max, tile_max)
-            weights.sub_(new_max).exp_()
+            weights.sub_(new_max).clamp_min_(MIN_EXPONENT).exp_()
             tile_sum = weights.sum(-1, keepdim=True)
             if t.needs_distance:
                 weights.mul_(_power(t.distances_eps(rows, q0, q1, k0, k1), t.runs, t.heads))
@@ -178,8 +193,8 @@ def _forward(tiling):
                 if t.euler:
                     w_sum.mul_(rescale).add_(weights.sum(-1, keepdim=True))
             row_max, first = new_max, False
-        valid = row_sum > 0  # rows with at least one key allowed; the others output zeros
-        inv_sum = torch.where(valid, row_sum, 1).reciprocal_()
+        valid = row_max > torch.finfo(dtype).min  # rows with at least one key allowed; the others output zeros
+        inv_sum = torch.where(valid, row_sum.reciprocal(), 0)  # exact zeros, not 1.6e-38-weighted means
         out_block = acc.mul_(inv_sum)
         if t.euler:
             w_sum.mul_(inv_sum)  # rowsum(W_off), 0 on fully masked rows
@@ -200,43 +215,46 @@ def _backward(tiling, out, lse, off_rowsum, grad_out):
         row_dot = (grad_out * out).sum(-1) - grad_own
     else:
         row_dot = (grad_out * out).sum(-1)  # rowsum(W * dW) = dU . U, FlashAttention's D
-    grad_q = torch.zeros_like(t.q)
+    grad_q = torch.empty_like(t.q)
     grad_k = torch.zeros_like(t.k)
     grad_v = torch.zeros_like(t.v)
     for b0, b1, rows, q0, q1 in t.query_blocks():
         grad_out_block = grad_out[rows, q0:q1]  # (bh, bq, dv)
         v_query = t.v_query[rows, q0:q1]
-        grad_q_block = grad_q[rows, q0:q1]
+        # Accumulators of this query block, contiguous: in-place matmuls into strided views are slow.
+        grad_q_block = t.q.new_zeros(grad_out_block.shape[:2] + t.q.shape[-1:])  # (bh, bq, d)
         if t.needs_distance:
-            grad_v_own = torch.zeros_like(v_query)  # - sum_y Gd V, then + rowsum(Gd) v_x
+            grad_v_own = torch.zeros_like(grad_out_block)  # - sum_y Gd V, then + rowsum(Gd) v_x
             gd_rowsum = v_query.new_zeros(v_query.shape[:2])
         for k0, k1 in t.key_blocks(q0, q1):
-            attn = t.scores(rows, b0, b1, q0, q1, k0, k1).sub_(lse[rows, q0:q1, None]).exp_()  # (bh, bq, bk)
+            attn = t.scores(rows, b0, b1, q0, q1, k0, k1).sub_(lse[rows, q0:q1, None])
+            attn = attn.clamp_min_(MIN_EXPONENT).exp_()  # (bh, bq, bk); ~0 on fully masked rows, whose dU is 0
             if t.needs_distance:
                 dist = t.distances_eps(rows, q0, q1, k0, k1)
-                weights = attn * _power(dist, t.runs, t.heads)
+                weights = _power(dist, t.runs, t.heads).mul_(attn)
             else:
                 weights = attn.clone() if t.euler else attn
             if t.euler:
                 t.self_diagonal(weights, q0, k0).fill_(0)
             keys, values = t.k[rows, k0:k1], t.v[rows, k0:k1]
-            grad_v[rows, k0:k1].baddbmm_(weights.transpose(1, 2), grad_out_block)
+            grad_v_keys = torch.bmm(weights.transpose(1, 2), grad_out_block)  # (bh, bk, dv)
             grad_w = torch.bmm(grad_out_block, values.transpose(1, 2))  # G, (bh, bq, bk)
             if t.euler:
                 grad_w.sub_(grad_own[rows, q0:q1, None])
             grad_w.mul_(weights)  # W * dW
             grad_s = attn.mul_(row_dot[rows, q0:q1, None].neg()).add_(grad_w)  # dS, (bh, bq, bk)
             grad_q_block.baddbmm_(grad_s, keys)
-            grad_k[rows, k0:k1].baddbmm_(grad_s.transpose(1, 2), t.q[rows, q0:q1])
+            grad_k[rows, k0:k1] += torch.bmm(grad_s.transpose(1, 2), t.q[rows, q0:q1])
             if t.needs_distance:
                 grad_dist = grad_w.div_(dist)
                 grad_dist.unflatten(0, (-1, t.heads)).mul_(2 * t.c)  # 2 dL/dD2, (bh, bq, bk)
                 t.self_diagonal(grad_dist, q0, k0).fill_(0)
                 grad_v_own.baddbmm_(grad_dist, values, alpha=-1)
                 gd_rowsum.add_(grad_dist.sum(-1))
-                grad_v[rows, k0:k1].addcmul_(grad_dist.sum(1)[..., None], values).baddbmm_(
-                    grad_dist.transpose(1, 2), v_query, alpha=-1
-                )
+                grad_v_keys.addcmul_(grad_dist.sum(1)[..., None], values)
+                grad_v_keys.baddbmm_(grad_dist.transpose(1, 2), v_query, alpha=-1)
+            grad_v[rows, k0:k1] += grad_v_keys
+        grad_q[rows, q0:q1] = grad_q_block
         if t.needs_distance:
             own = slice(t.offset + q0, t.offset + q1)
             grad_v[rows, own] += grad_v_own.addcmul_(gd_rowsum[..., None], v_query)

@@ -1,0 +1,108 @@
+"""One optimizer step (forward, backward, AdamW) of p-LaT models against their softmax baselines.
+
+Pairs, each timed as the median of --repeats steps after --warmup steps, round-robin within a repeat:
+- vision: p-LaT DeiT-tiny/16 (12 layers x 192, 3 heads, p = 1.5, 1.5, 2.5; 224px, 1000 classes) vs
+  transformers' ViTForImageClassification of the same sizes with SDPA attention, and p-LaT with p = 2;
+- lm: the paper's p-LaT LM (16 layers x 128, 8 heads, context 256, p = 4 x 1.5 + 4 x 2.5; 10k vocabulary)
+  vs GPT2LMHeadModel of the same sizes with SDPA attention, and p-LaT with p = 2.
+Dropout is 0 everywhere (attention dropout would route p-LaT to the eager reference).
+
+    python benchmarks/bench_train_step.py --pairs vision lm --out results/train_step
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoModelForImageClassification, GPT2Config, ViTConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from modeling_plat import PlatConfig, PlatForCausalLM, PlatForImageClassification  # noqa: E402
+
+DEIT_TINY = dict(hidden_size=192, num_hidden_layers=12, num_attention_heads=3, intermediate_size=768)
+PAPER_LM = dict(hidden_size=128, num_hidden_layers=16, num_attention_heads=8, intermediate_size=512)
+
+
+def vision_models(backend):
+    plat = dict(**DEIT_TINY, image_size=224, patch_size=16, num_channels=3, num_labels=1000, plap_backend=backend)
+    vit = ViTConfig(**DEIT_TINY, image_size=224, patch_size=16, num_labels=1000, hidden_dropout_prob=0.0,
+                    attention_probs_dropout_prob=0.0)  # fmt: skip
+    return {
+        "plat-deit-tiny": PlatForImageClassification(PlatConfig(**plat, plap_p=[1.5, 1.5, 2.5])),
+        "plat-deit-tiny-p2": PlatForImageClassification(PlatConfig(**plat, plap_p=2.0)),
+        "vit-deit-tiny-sdpa": AutoModelForImageClassification.from_config(vit, attn_implementation="sdpa"),
+    }
+
+
+def lm_models(backend):
+    plat = dict(**PAPER_LM, vocab_size=10000, max_position_embeddings=256, plap_backend=backend)
+    gpt2 = GPT2Config(vocab_size=10000, n_embd=128, n_layer=16, n_head=8, n_inner=512, n_positions=256,
+                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)  # fmt: skip
+    return {
+        "plat-lm": PlatForCausalLM(PlatConfig(**plat, plap_p=[1.5] * 4 + [2.5] * 4)),
+        "plat-lm-p2": PlatForCausalLM(PlatConfig(**plat, plap_p=2.0)),
+        "gpt2-lm-sdpa": AutoModelForCausalLM.from_config(gpt2, attn_implementation="sdpa"),
+    }
+
+
+def batches(pair, batch_size):
+    gen = torch.Generator().manual_seed(0)
+    if pair == "vision":
+        pixels = torch.randn(batch_size, 3, 224, 224, generator=gen)
+        return dict(pixel_values=pixels, labels=torch.randint(0, 1000, (batch_size,), generator=gen))
+    tokens = torch.randint(0, 10000, (batch_size, 256), generator=gen)
+    return dict(input_ids=tokens, labels=tokens)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--pairs", nargs="+", choices=["vision", "lm"], default=["vision", "lm"])
+    parser.add_argument("--vision-batch", type=int, default=8)
+    parser.add_argument("--lm-batch", type=int, default=16)
+    parser.add_argument("--backend", default="auto", help="plap_backend of the p-LaT models")
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, help="torch.set_num_threads (default: PyTorch's choice)")
+    parser.add_argument("--out", type=Path, help="directory for train_step.json")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    env = dict(threads=torch.get_num_threads(), torch=torch.__version__, backend=args.backend,
+               warmup=args.warmup, repeats=args.repeats, load_average_before=os.getloadavg())  # fmt: skip
+    results = {}
+    for pair in args.pairs:
+        models = vision_models(args.backend) if pair == "vision" else lm_models(args.backend)
+        inputs = batches(pair, args.vision_batch if pair == "vision" else args.lm_batch)
+        optimizers = {name: torch.optim.AdamW(model.parameters(), lr=1e-4) for name, model in models.items()}
+        times = {name: [] for name in models}
+        for step in range(args.warmup + args.repeats):
+            for name, model in models.items():
+                model.train()
+                start = time.perf_counter()
+                model(**inputs).loss.backward()
+                optimizers[name].step()
+                optimizers[name].zero_grad(set_to_none=True)
+                if step >= args.warmup:
+                    times[name].append(time.perf_counter() - start)
+        names = list(models)
+        baseline = statistics.median(times[names[-1]])
+        for name in names:
+            median = statistics.median(times[name])
+            results[name] = dict(pair=pair, step_s=median, ratio_to_sdpa=median / baseline)
+            print(f"{name:<20} {median:8.3f} s/step  {median / baseline:5.2f} x {names[-1]}")
+    env["load_average_after"] = os.getloadavg()
+    print(f"load average before {env['load_average_before']}, after {env['load_average_after']}")
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "train_step.json").write_text(json.dumps(dict(environment=env, results=results), indent=2))
+
+
+if __name__ == "__main__":
+    main()
