@@ -62,7 +62,7 @@ def load_raw_splits(dataset_name=None, dataset_config_name=None, train_file=None
     """Train / validation / test text splits, each with a single ``text`` column.
 
     Sources, first match wins: a Hub dataset (``dataset_name``), local files (.txt: one text per line;
-    .json/.jsonl/.csv: the ``text`` column, or the first column), or the embedded Penn Treebank. A missing
+    .json/.jsonl/.csv: the ``text`` column, or the first string column), or the embedded Penn Treebank. A missing
     validation split is carved from the end of the training split (``validation_split_percentage``).
     """
     if dataset_name is not None:

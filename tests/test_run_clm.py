@@ -16,6 +16,7 @@ import datasets
 import huggingface_hub
 import pytest
 import torch
+import yaml
 from tiny import lm
 from torch.nn import functional as F
 from transformers import AutoModelForCausalLM, pipeline
@@ -91,6 +92,18 @@ def test_text_files_train_eval_save_and_reload(text_files, tmp_path):
     generator = pipeline("text-generation", model=str(output_dir))
     text = generator("the cat", max_new_tokens=5, do_sample=False)[0]["generated_text"]
     assert text.startswith("the cat")
+
+
+def test_arguments_from_one_yaml_file(text_files, tmp_path):
+    arguments = {
+        "model_type": "plat", "config_overrides": TINY_MODEL[-1], "train_file": str(text_files["train"]),
+        "tokenizer_type": "word", "do_train": True, "max_steps": 1, "per_device_train_batch_size": 4,
+        "report_to": "none", "output_dir": str(tmp_path / "out"),
+    }
+    args_file = tmp_path / "args.yaml"
+    args_file.write_text(yaml.safe_dump(arguments))
+    run_clm.main([str(args_file)])
+    assert trainer_step(tmp_path / "out") == 1
 
 
 def test_json_file_with_other_column_and_bpe_tokenizer(tmp_path):
