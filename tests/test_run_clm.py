@@ -93,12 +93,17 @@ def test_text_files_train_eval_save_and_reload(text_files, tmp_path):
     text = generator("the cat", max_new_tokens=5, do_sample=False)[0]["generated_text"]
     assert text.startswith("the cat")
 
+    # Evaluating the saved model alone (its tokenizer comes with it) gives the same figures.
+    run_clm.main(["--model_name_or_path", str(output_dir), *files_args(text_files), *FAST, "--do_eval",
+                  "--max_eval_samples", "8", "--output_dir", str(tmp_path / "eval")])
+    assert results(tmp_path / "eval")["eval_loss"] == pytest.approx(metrics["eval_loss"], rel=1e-5)
+
 
 def test_arguments_from_one_yaml_file(text_files, tmp_path):
     arguments = {
         "model_type": "plat", "config_overrides": TINY_MODEL[-1], "train_file": str(text_files["train"]),
         "tokenizer_type": "word", "do_train": True, "max_steps": 1, "per_device_train_batch_size": 4,
-        "report_to": "none", "output_dir": str(tmp_path / "out"),
+        "report_to": "none", "dataloader_pin_memory": False, "output_dir": str(tmp_path / "out"),
     }
     args_file = tmp_path / "args.yaml"
     args_file.write_text(yaml.safe_dump(arguments))
