@@ -16,6 +16,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Literal
 
+import yaml
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -35,8 +36,15 @@ from plat_train.common import (
     resolve_config_name,
     setup_logging,
 )
-from plat_train.lm_data import iter_texts, load_raw_splits, pack_split, token_stream, tokenize_splits, train_tokenizer
-from plat_train.lm_data import unigram_perplexity
+from plat_train.lm_data import (
+    iter_texts,
+    load_raw_splits,
+    pack_split,
+    token_stream,
+    tokenize_splits,
+    train_tokenizer,
+    unigram_perplexity,
+)
 from plat_train.lm_eval import perplexity, preprocess_logits_for_metrics, sliding_window_metrics, token_accuracy
 
 logger = logging.getLogger(__name__)
@@ -120,10 +128,7 @@ class DataArguments:
 
 def parse_config_overrides(text):
     """'a=1,b=[1.5,2.5],c=gelu' -> {'a': 1, 'b': [1.5, 2.5], 'c': 'gelu'}; commas inside brackets are kept."""
-    import yaml
-
-    overrides, depth, start = {}, 0, 0
-    pieces = []
+    overrides, pieces, depth, start = {}, [], 0, 0
     for i, char in enumerate(text + ","):
         depth += {"[": 1, "]": -1}.get(char, 0)
         if char == "," and depth == 0:
