@@ -1,1 +1,13 @@
-"""Puts tests/ on sys.path (pytest inserts a conftest's folder) so suites share tests/tiny.py and reference.py."""
+"""Test-session setup shared by every suite.
+
+pytest puts this folder on sys.path, so suites share tests/tiny.py and tests/reference.py. Without CUDA the
+Triton kernels can only run under the Triton interpreter, which triton.jit reads when the kernels are
+decorated: TRITON_INTERPRET=1 is set here, before any test module can import modeling_plat's Triton module.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")

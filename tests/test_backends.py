@@ -1,27 +1,23 @@
 """Every p-Laplacian attention backend against the independent float64 reference (tests/reference.py).
 
 Outputs and the gradients of q, k and v, as relative errors ||ours - ref|| / ||ref||, over awkward shapes.
-Without CUDA the Triton kernels run under the Triton interpreter: TRITON_INTERPRET=1 is set here before
-anything imports the Triton module (triton.jit reads it when the kernels are decorated). The interpreter
+Without CUDA the Triton kernels run under the Triton interpreter (tests/conftest.py sets TRITON_INTERPRET=1
+before anything imports the Triton module). The interpreter
 cannot multiply bfloat16 tensors (tl.dot treats their bits as integers, triton-lang/triton#11584), so
 there the half-precision case is float16.
 """
 
 import importlib
-import os
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from modeling_plat import plap_attention  # noqa: E402
-from modeling_plat import plap_attention_triton as triton_module  # noqa: E402
-from modeling_plat.plap_attention import resolve_backend  # noqa: E402
-from modeling_plat.plap_attention_tiled import plap_attention_tiled  # noqa: E402
-from reference import reference_plap_attention  # noqa: E402
+from modeling_plat import plap_attention
+from modeling_plat import plap_attention_triton as triton_module
+from modeling_plat.plap_attention import resolve_backend
+from modeling_plat.plap_attention_tiled import plap_attention_tiled
+from reference import reference_plap_attention
 
 TRITON_MISSING = triton_module.triton is None
 needs_triton = pytest.mark.skipif(TRITON_MISSING, reason="triton is not installed (pip install triton)")
