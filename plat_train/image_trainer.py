@@ -8,19 +8,22 @@ import torch
 from torch.nn import functional as F
 from transformers import Trainer
 
+from plat_train.model_card import PlatModelCardMixin
+
 # Parameters without weight decay besides biases and norms (which Trainer already spares): DeiT's
 # ``no_weight_decay`` set, learned tokens and positions.
 NO_DECAY_NAME_PARTS = ("cls_token", "position_embeddings")
 TOP_K = 5
 
 
-class ImageClassificationTrainer(Trainer):
+class ImageClassificationTrainer(PlatModelCardMixin, Trainer):
     """Trainer whose training loss is cross-entropy against soft targets.
 
     The model's own loss reads float labels as multi-label BCE; here, while training, Mixup/CutMix (when
     given) turns class indices into mixed one-hot targets and ``label_smoothing_factor`` smooths them, so
     ``F.cross_entropy`` with probability targets is the right loss. Evaluation uses the hard labels and
-    plain cross-entropy, so eval loss and accuracy are comparable across recipes.
+    plain cross-entropy, so eval loss and accuracy are comparable across recipes. Its model card is the
+    p-LaT one (``PlatModelCardMixin``).
     """
 
     # The loss is a per-batch mean: let Trainer divide it over gradient accumulation steps.

@@ -1,10 +1,14 @@
 """Model cards (README.md with YAML metadata) for saved and pushed p-LaT checkpoints."""
 
+import json
 import shlex
 import sys
 from pathlib import Path
 
 import yaml
+from transformers import GenerationMixin
+
+from modeling_plat import PlatConfig
 
 PIPELINE_TAGS = {"text-generation": "text-generation", "image-classification": "image-classification"}
 
@@ -52,7 +56,9 @@ def model_card_text(config, task, model_id, metrics=None, dataset=None, command=
     """The README.md text of a p-LaT checkpoint."""
     if task not in PIPELINE_TAGS:
         raise ValueError(f"task must be one of {sorted(PIPELINE_TAGS)}; got {task!r}")
-    metrics = metrics or {}
+    # Quality metrics only: run times, throughputs and FLOPs say nothing about the model.
+    metrics = {name: value for name, value in (metrics or {}).items()
+               if not any(part in name for part in ("runtime", "per_second", "flos", "epoch"))}
     metadata = {
         "library_name": "transformers",
         "pipeline_tag": PIPELINE_TAGS[task],
@@ -99,3 +105,27 @@ def write_model_card(output_dir, config, task, model_id=None, **kwargs):
 def current_command():
     """The command line that started this process, shell-quoted."""
     return " ".join(shlex.quote(arg) for arg in ["python", *sys.argv])
+
+
+class PlatModelCardMixin:
+    """Trainer mixin: the README.md that ``save``/``push_to_hub`` produce is the p-LaT model card.
+
+    Trainer calls ``create_model_card`` from ``push_to_hub`` (with the ``dataset``/``finetuned_from`` keywords
+    the scripts pass); the card takes its metrics from ``all_results.json``. Models that are not p-LaT keep
+    Trainer's own card.
+    """
+
+    def create_model_card(self, dataset=None, finetuned_from=None, **kwargs):
+        model = self.accelerator.unwrap_model(self.model)
+        if not isinstance(model.config, PlatConfig):
+            return super().create_model_card(dataset=dataset, finetuned_from=finetuned_from, **kwargs)
+        if not self.is_world_process_zero():
+            return None
+        results = Path(self.args.output_dir) / "all_results.json"
+        metrics = json.loads(results.read_text()) if results.exists() else None
+        # A local folder means nothing on the Hub: only hub ids become base_model.
+        base_model = finetuned_from if finetuned_from and not Path(finetuned_from).exists() else None
+        task = "text-generation" if isinstance(model, GenerationMixin) else "image-classification"
+        model_id = self.hub_model_id if self.args.push_to_hub else None
+        return write_model_card(self.args.output_dir, model.config, task, model_id=model_id, metrics=metrics,
+                                dataset=dataset, command=current_command(), base_model=base_model)

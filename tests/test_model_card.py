@@ -35,7 +35,7 @@ def split_card(text):
 
 def test_card_metadata_and_body():
     config = PlatConfig(num_attention_heads=4, hidden_size=32, plap_p=[[1.5, 1.5, 2.5, 2.5]] * 4)
-    text = model_card_text(config, "text-generation", "org/plat-ptb", metrics={"eval_perplexity": 123.4567},
+    text = model_card_text(config, "text-generation", "org/plat-ptb", metrics={"eval_perplexity": 123.4567, "eval_runtime": 3.2},
                            dataset="ptb_text_only", command="python run_clm.py --x 1", base_model="gpt2")
     metadata, body = split_card(text)
     assert metadata["library_name"] == "transformers" and metadata["pipeline_tag"] == "text-generation"
@@ -43,6 +43,7 @@ def test_card_metadata_and_body():
     assert metadata["datasets"] == ["ptb_text_only"] and metadata["base_model"] == "gpt2"
     assert metadata["metrics"] == ["perplexity"]
     assert "| eval_perplexity | 123.5 |" in body and "python run_clm.py --x 1" in body
+    assert "eval_runtime" not in body
     assert "[1.5, 1.5, 2.5, 2.5]" in body and "trust_remote_code=True" in body
 
 

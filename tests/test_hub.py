@@ -1,0 +1,80 @@
+"""push_to_hub from the training scripts, with the upload intercepted: the exact files that would be sent,
+and a model card that describes the pushed model."""
+
+import importlib.util
+import re
+from fnmatch import fnmatch
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import yaml
+
+import transformers.trainer
+
+ROOT = Path(__file__).resolve().parents[1]
+MODELING_FILES = {"configuration_plat.py", "modeling_plat.py", "plap_attention.py", "plap_attention_tiled.py",
+                  "plap_attention_triton.py"}
+RESULT_FILES = {"all_results.json", "train_results.json", "trainer_state.json",
+                "training_args.bin"}
+
+
+def load_script(name):
+    spec = importlib.util.spec_from_file_location(name, ROOT / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class FakeHub:
+    """Stands in for huggingface_hub.HfApi: records what Trainer would create and upload."""
+
+    def __init__(self):
+        self.repos, self.uploads = [], []
+
+    def create_repo(self, repo_id, **kwargs):
+        self.repos.append(repo_id)
+        return SimpleNamespace(repo_id=repo_id if "/" in repo_id else f"someone/{repo_id}")
+
+    def upload_folder(self, repo_id, folder_path, ignore_patterns=(), **kwargs):
+        root = Path(folder_path)
+        files = set()
+        for path in root.rglob("*"):
+            relative = path.relative_to(root).as_posix()
+            if path.is_file() and not any(fnmatch(part, pattern) for part in relative.split("/")
+                                          for pattern in ignore_patterns):
+                files.add(relative)
+        self.uploads.append((repo_id, files))
+
+
+@pytest.fixture
+def hub(monkeypatch):
+    fake = FakeHub()
+    monkeypatch.setattr(transformers.trainer, "hf_api", lambda: fake)
+    return fake
+
+
+def card_of(folder):
+    text = (Path(folder) / "README.md").read_text()
+    metadata = yaml.safe_load(re.match(r"---\n(.*?)\n---\n", text, re.S).group(1))
+    return metadata, text
+
+
+def test_image_script_pushes_weights_code_processor_and_card(hub, tmp_path):
+    from test_run_image_classification import folder_args, make_folder
+
+    folders = make_folder(tmp_path / "train"), make_folder(tmp_path / "validation", per_class=3, seed=1)
+    output_dir = tmp_path / "out"
+    load_script("run_image_classification").main([str(a) for a in folder_args(
+        folders, output_dir, "--do_train", "--do_eval", "--max_steps", 2, "--save_strategy", "no",
+        "--push_to_hub", "--hub_model_id", "someone/plat-shapes",
+    )])
+    assert hub.repos == ["someone/plat-shapes"]
+    assert {repo_id for repo_id, _ in hub.uploads} == {"someone/plat-shapes"}
+    files = hub.uploads[-1][1]  # Trainer pushes on save_model too; the last upload is the final state
+    expected = MODELING_FILES | RESULT_FILES | {"config.json", "model.safetensors", "preprocessor_config.json",
+                                                "README.md", "validation_results.json"}
+    assert files == expected
+    metadata, text = card_of(output_dir)
+    assert metadata["pipeline_tag"] == "image-classification" and "plat" in metadata["tags"]
+    assert "eval_top1_accuracy" in text and 'model="someone/plat-shapes"' in text
