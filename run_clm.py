@@ -22,7 +22,6 @@ from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
     HfArgumentParser,
-    Trainer,
     default_data_collator,
     set_seed,
 )
@@ -46,6 +45,7 @@ from plat_train.lm_data import (
     unigram_perplexity,
 )
 from plat_train.lm_eval import perplexity, preprocess_logits_for_metrics, sliding_window_metrics, token_accuracy
+from plat_train.model_card import PlatTrainer
 
 logger = logging.getLogger(__name__)
 
@@ -256,7 +256,7 @@ def model_card_fields(model_args, data_args):
         card["dataset_tags"] = data_args.dataset_name
         card["dataset"] = " ".join(filter(None, (data_args.dataset_name, data_args.dataset_config_name)))
     elif not (data_args.train_file or data_args.validation_file or data_args.test_file):
-        card["dataset"] = "Penn Treebank (word level)"
+        card["dataset"] = "ptb_text_only"  # the Hub's id of the Penn Treebank word-level text
     return card
 
 
@@ -301,7 +301,7 @@ def main(args=None):
         for prefix, split in eval_splits.items() if split in tokenized
     }
 
-    trainer = Trainer(
+    trainer = PlatTrainer(
         model=model,
         args=training_args,
         train_dataset=train_blocks,

@@ -337,7 +337,7 @@ def main(args=None):
     if data_args.dataset_name is not None:
         card["dataset"] = data_args.dataset_name
     elif data_args.train_dir is None:
-        card["dataset"] = "fashion_mnist"
+        card["dataset"] = "zalando-datasets/fashion_mnist"
     if training_args.push_to_hub:
         trainer.push_to_hub(**card)
     elif training_args.do_train:

@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 import yaml
-from transformers import GenerationMixin
+from transformers import GenerationMixin, Trainer
 
 from modeling_plat import PlatConfig
 
@@ -129,3 +129,7 @@ class PlatModelCardMixin:
         model_id = self.hub_model_id if self.args.push_to_hub else None
         return write_model_card(self.args.output_dir, model.config, task, model_id=model_id, metrics=metrics,
                                 dataset=dataset, command=current_command(), base_model=base_model)
+
+
+class PlatTrainer(PlatModelCardMixin, Trainer):
+    """Trainer whose saved and pushed model card is the p-LaT one."""

@@ -78,3 +78,49 @@ def test_image_script_pushes_weights_code_processor_and_card(hub, tmp_path):
     metadata, text = card_of(output_dir)
     assert metadata["pipeline_tag"] == "image-classification" and "plat" in metadata["tags"]
     assert "eval_top1_accuracy" in text and 'model="someone/plat-shapes"' in text
+
+
+def test_clm_script_pushes_weights_code_tokenizer_and_card(hub, tmp_path):
+    from test_run_clm import FAST, TINY_MODEL, write_lines
+
+    train, validation = write_lines(tmp_path / "train.txt", 100), write_lines(tmp_path / "valid.txt", 20, seed=1)
+    output_dir = tmp_path / "out"
+    load_script("run_clm").main([
+        *TINY_MODEL, *FAST, "--train_file", str(train), "--validation_file", str(validation), "--do_train",
+        "--do_eval", "--max_steps", "2", "--save_strategy", "no", "--output_dir", str(output_dir),
+        "--push_to_hub", "--hub_model_id", "someone/plat-words",
+    ])
+    assert hub.repos == ["someone/plat-words"]
+    assert {repo_id for repo_id, _ in hub.uploads} == {"someone/plat-words"}
+    expected = MODELING_FILES | RESULT_FILES | {"config.json", "generation_config.json", "model.safetensors",
+                                                "tokenizer.json", "tokenizer_config.json", "README.md",
+                                                "eval_results.json"}
+    assert hub.uploads[-1][1] == expected
+    metadata, text = card_of(output_dir)
+    assert metadata["pipeline_tag"] == "text-generation" and "plat" in metadata["tags"]
+    assert "eval_perplexity" in text and 'model="someone/plat-words"' in text
+
+
+@pytest.mark.parametrize("channels", [3, 1])
+def test_image_card_snippet_runs_without_the_plugin(tmp_path, channels):
+    """The saved folder's card snippet, run as printed in a fresh process where plat cannot be imported."""
+    import subprocess
+    import sys
+
+    from test_run_image_classification import TINY_GRAY, TINY_RGB, folder_args, make_folder
+
+    folders = make_folder(tmp_path / "train", per_class=3), make_folder(tmp_path / "validation", per_class=2)
+    output_dir = tmp_path / "out"
+    overrides = TINY_RGB if channels == 3 else TINY_GRAY
+    load_script("run_image_classification").main([str(a) for a in folder_args(
+        folders, output_dir, "--do_train", "--max_steps", 1, "--save_strategy", "no", "--config_overrides",
+        overrides,
+    )])
+    snippet = re.search(r"```python\n(.*?)```", (output_dir / "README.md").read_text(), re.S).group(1)
+    script = tmp_path / "snippet.py"
+    script.write_text('import sys\nsys.modules["modeling_plat"] = sys.modules["plat_train"] = None\n' + snippet)
+    env = {"HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "modules"), "PATH": "/usr/bin:/bin"}
+    result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert all(label in result.stdout for label in ("circle", "square", "stripes"))
