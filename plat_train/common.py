@@ -11,7 +11,7 @@ import datasets
 import huggingface_hub
 import transformers
 from transformers import TrainingArguments
-from transformers.trainer_utils import get_last_checkpoint
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 PRESET_DIR = Path(__file__).resolve().parent.parent / "configuration"
 
@@ -94,6 +94,24 @@ class PlatTrainingArguments(TrainingArguments):
     )
 
 
+def last_complete_checkpoint(output_dir):
+    """The newest ``checkpoint-N`` folder in ``output_dir`` that Trainer finished writing, or None.
+
+    Trainer writes ``trainer_state.json`` last, so a folder without it is what a run killed while saving
+    leaves behind: it is skipped (with a warning) rather than resumed from.
+    """
+    found = []
+    for folder in Path(output_dir).glob(f"{PREFIX_CHECKPOINT_DIR}-*"):
+        step = folder.name.removeprefix(f"{PREFIX_CHECKPOINT_DIR}-")
+        if folder.is_dir() and step.isdigit():
+            found.append((int(step), folder))
+    for _, folder in sorted(found, reverse=True):
+        if (folder / "trainer_state.json").is_file():
+            return str(folder)
+        logger.warning(f"Skipping {folder}: it has no trainer_state.json, so its save did not finish")
+    return None
+
+
 def detect_last_checkpoint(training_args):
     """The checkpoint to resume from, following the transformers examples.
 
@@ -109,7 +127,7 @@ def detect_last_checkpoint(training_args):
     output_dir = Path(training_args.output_dir)
     if not training_args.do_train or overwrite_output_dir or not output_dir.is_dir():
         return None
-    last_checkpoint = get_last_checkpoint(str(output_dir))
+    last_checkpoint = last_complete_checkpoint(output_dir)
     if last_checkpoint is None and any(output_dir.iterdir()):
         raise ValueError(
             f"Output directory ({output_dir}) already exists and is not empty. Use --overwrite_output_dir to "

@@ -56,9 +56,10 @@ def model_card_text(config, task, model_id, metrics=None, dataset=None, command=
     """The README.md text of a p-LaT checkpoint."""
     if task not in PIPELINE_TAGS:
         raise ValueError(f"task must be one of {sorted(PIPELINE_TAGS)}; got {task!r}")
-    # Quality metrics only: run times, throughputs and FLOPs say nothing about the model.
+    # Quality metrics only: run times, throughputs, FLOPs and counts say nothing about the model.
+    bookkeeping = ("runtime", "per_second", "flos", "epoch", "samples", "tokens", "stride")
     metrics = {name: value for name, value in (metrics or {}).items()
-               if not any(part in name for part in ("runtime", "per_second", "flos", "epoch"))}
+               if not any(part in name for part in bookkeeping)}
     metadata = {
         "library_name": "transformers",
         "pipeline_tag": PIPELINE_TAGS[task],

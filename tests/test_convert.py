@@ -10,6 +10,7 @@ from transformers import DeiTConfig, DeiTForImageClassification, GPT2Config, GPT
 
 from modeling_plat import PlatForCausalLM, PlatVisionModel
 from modeling_plat.convert import _parse_p, convert_to_plat
+from tiny import train_losses
 
 VIT = dict(num_hidden_layers=2, hidden_size=24, num_attention_heads=3, intermediate_size=48, image_size=16,
            patch_size=4)
@@ -31,17 +32,10 @@ def test_vit_model_trunk_converts_exactly():
 
 
 def test_converted_paper_mix_trains():
-    plat = convert_to_plat(tiny_gpt2(), plap_p=[1.5, 1.5, 2.5, 2.5]).train()
+    plat = convert_to_plat(tiny_gpt2(), plap_p=[1.5, 1.5, 2.5, 2.5])
     assert plat.config.plap_p == [1.5, 1.5, 2.5, 2.5]
     ids = torch.randint(0, 61, (4, 16))
-    optimizer = torch.optim.AdamW(plat.parameters(), lr=1e-3)
-    losses = []
-    for _ in range(8):
-        loss = plat(ids, labels=ids).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
+    losses = train_losses(plat, 8, 1e-3, input_ids=ids, labels=ids)
     assert losses[-1] < losses[0]
 
 

@@ -27,7 +27,7 @@ from modeling_plat import (
     plap_attention_weights,
 )
 from modeling_plat.convert import convert_to_plat
-from tiny import classifier, lm, text_config
+from tiny import classifier, lm, text_config, train_losses
 
 
 # ---------------------------------------------------------------- config
@@ -274,16 +274,8 @@ def test_deterministic_in_eval_and_batch_size_invariant():
 
 
 def test_training_step_lowers_the_loss_with_the_paper_mix():
-    model = lm().train()
     ids = torch.randint(2, 61, (4, 16))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    losses = []
-    for _ in range(15):
-        loss = model(ids, labels=ids).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
+    losses = train_losses(lm(), 15, 3e-3, input_ids=ids, labels=ids)
     assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < 0.7 * losses[0]
 
 

@@ -25,3 +25,17 @@ def lm(**kwargs):
 def classifier(**kwargs):
     torch.manual_seed(0)
     return PlatForImageClassification(vision_config(**kwargs)).eval()
+
+
+def train_losses(model, steps, lr, **inputs):
+    """Losses of ``steps`` AdamW steps on one fixed batch (the model is put in training mode)."""
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    losses = []
+    for _ in range(steps):
+        loss = model(**inputs).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
