@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 import transformers.trainer
+from tiny import run_without_plugin
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELING_FILES = {"configuration_plat.py", "modeling_plat.py", "plap_attention.py", "plap_attention_tiled.py",
@@ -104,9 +105,6 @@ def test_clm_script_pushes_weights_code_tokenizer_and_card(hub, tmp_path):
 @pytest.mark.parametrize("channels", [3, 1])
 def test_image_card_snippet_runs_without_the_plugin(tmp_path, channels):
     """The saved folder's card snippet, run as printed in a fresh process where plat cannot be imported."""
-    import subprocess
-    import sys
-
     from test_run_image_classification import TINY_GRAY, TINY_RGB, folder_args, make_folder
 
     folders = make_folder(tmp_path / "train", per_class=3), make_folder(tmp_path / "validation", per_class=2)
@@ -117,10 +115,6 @@ def test_image_card_snippet_runs_without_the_plugin(tmp_path, channels):
         overrides,
     )])
     snippet = re.search(r"```python\n(.*?)```", (output_dir / "README.md").read_text(), re.S).group(1)
-    script = tmp_path / "snippet.py"
-    script.write_text('import sys\nsys.modules["modeling_plat"] = sys.modules["plat_train"] = None\n' + snippet)
-    env = {"HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "modules"), "PATH": "/usr/bin:/bin"}
-    result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
-                            timeout=300)
+    result = run_without_plugin(snippet, tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert all(label in result.stdout for label in ("circle", "square", "stripes"))

@@ -1,8 +1,6 @@
 """Model cards: YAML metadata that parses, and a usage snippet that runs as printed through remote code."""
 
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -12,6 +10,7 @@ from transformers import PreTrainedTokenizerFast
 
 from modeling_plat import PlatConfig, PlatForCausalLM
 from plat_train.model_card import model_card_text, write_model_card
+from tiny import run_without_plugin
 
 
 def save_tiny_lm(folder):
@@ -57,10 +56,6 @@ def test_text_snippet_runs_as_printed_without_the_plugin(tmp_path):
     config = save_tiny_lm(folder)
     card = write_model_card(folder, config, "text-generation", prompt="the cat")
     snippet = re.search(r"```python\n(.*?)```", card.read_text(), re.S).group(1)
-    script = tmp_path / "snippet.py"
-    script.write_text('import sys\nsys.modules["modeling_plat"] = None\n' + snippet)
-    env = {"HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "modules"), "PATH": "/usr/bin:/bin"}
-    result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
-                            timeout=300)
+    result = run_without_plugin(snippet, tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.startswith("the cat")

@@ -1,20 +1,17 @@
 """Saved checkpoints load through Hub remote code in a fresh process where the plugin cannot be imported."""
 
 import json
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
 
 from modeling_plat import PlatConfig, PlatForCausalLM, PlatForImageClassification
+from tiny import run_without_plugin
 
-# Runs in a subprocess: makes `import modeling_plat` fail, loads with trust_remote_code, saves the outputs.
+# Runs where plat cannot be imported: loads with trust_remote_code and saves the outputs.
 LOADER = textwrap.dedent(
     """
-    import sys
-    sys.modules["modeling_plat"] = None  # the plugin is not importable here
     import torch
     from transformers import {auto}, AutoModel
     folder, inputs_path, out_path = sys.argv[1:]
@@ -50,13 +47,8 @@ def test_trust_remote_code_in_fresh_process(tmp_path, family):
     assert {"modeling_plat.py", "configuration_plat.py", "plap_attention.py"} <= {p.name for p in folder.iterdir()}
 
     torch.save(inputs, tmp_path / "inputs.pt")
-    script = tmp_path / "load.py"
-    script.write_text(LOADER.format(auto=auto, trunk=trunk))
-    env = {"HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "modules"), "PATH": "/usr/bin:/bin"}
-    result = subprocess.run(
-        [sys.executable, str(script), str(folder), str(tmp_path / "inputs.pt"), str(tmp_path / "out.pt")],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
-    )
+    result = run_without_plugin(LOADER.format(auto=auto, trunk=trunk), tmp_path, folder, tmp_path / "inputs.pt",
+                                tmp_path / "out.pt")
     assert result.returncode == 0, result.stderr[-3000:]
     with torch.no_grad():
         expected = model(inputs).logits

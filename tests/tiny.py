@@ -1,5 +1,9 @@
 """Tiny p-LaT models built from configs, shared by the test suites."""
 
+import subprocess
+import sys
+from pathlib import Path
+
 import torch
 
 from modeling_plat import PlatConfig, PlatForCausalLM, PlatForImageClassification
@@ -39,3 +43,13 @@ def train_losses(model, steps, lr, **inputs):
         optimizer.zero_grad()
         losses.append(loss.item())
     return losses
+
+
+def run_without_plugin(code, folder, *args):
+    """Run Python ``code`` in a fresh process where plat cannot be imported, as on a machine with transformers
+    alone: checkpoints must then load through their own remote code."""
+    script = Path(folder) / "without_plugin.py"
+    script.write_text('import sys\nsys.modules["modeling_plat"] = sys.modules["plat_train"] = None\n' + code)
+    env = {"HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(Path(folder) / "modules"), "PATH": "/usr/bin:/bin"}
+    return subprocess.run([sys.executable, str(script), *map(str, args)], cwd=folder, env=env, capture_output=True,
+                          text=True, timeout=300)
