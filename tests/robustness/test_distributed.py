@@ -1,0 +1,107 @@
+"""Distributed training computes what one process computes: FSDP with one unit per module class named in
+``_no_split_modules``, and both scripts under two-process DDP (torchrun, gloo) against a single process with
+the same global batch. Each step here uses the whole training set, so data order cannot make a difference."""
+
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+ROOT = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT / "tests")}
+pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="torchrun with gloo on Linux/macOS")
+
+
+def free_port():
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def launch(script, *args, processes):
+    command = [sys.executable, str(script), *map(str, args)]
+    if processes > 1:
+        command[1:1] = ["-m", "torch.distributed.run", "--nproc_per_node", str(processes),
+                        "--master_port", str(free_port())]
+        if script.name.startswith("run_"):
+            command += ["--ddp_backend", "gloo"]
+    completed = subprocess.run(command, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    return completed.stdout
+
+
+@pytest.mark.parametrize("family, units", [("text", ["PlatLayer"] * 2),
+                                           ("vision", ["PlatLayer"] * 2 + ["PlatVisionEmbeddings"])])
+def test_fsdp_wraps_no_split_modules_and_matches_one_process(family, units):
+    report = json.loads(launch(HERE / "sharded_training_worker.py", family, processes=2).strip().splitlines()[-1])
+    assert report["units"] == units
+    assert report["local_fraction"] < 0.6  # each rank holds about half of the parameters
+    assert report["sharded"] == pytest.approx(report["single"], rel=1e-5)
+    assert report["sharded"][-1] < report["sharded"][0]
+
+
+def training_record(output_dir):
+    """The loss and gradient norm of every step, and the final evaluation loss."""
+    history = json.loads((Path(output_dir) / "trainer_state.json").read_text())["log_history"]
+    steps = [(entry["loss"], entry["grad_norm"]) for entry in history if "loss" in entry]
+    return steps, json.loads((Path(output_dir) / "all_results.json").read_text())["eval_loss"]
+
+
+def assert_same_training(single_dir, ddp_dir):
+    (single_steps, single_eval), (ddp_steps, ddp_eval) = training_record(single_dir), training_record(ddp_dir)
+    assert len(ddp_steps) == len(single_steps) == 3
+    assert np.allclose(ddp_steps, single_steps, rtol=1e-5, atol=0)
+    assert ddp_eval == pytest.approx(single_eval, rel=1e-5)
+
+
+def test_run_clm_two_process_ddp_matches_one_process(tmp_path):
+    words = "the a cat dog sat ran on under mat tree big small red blue".split()
+    rng = random.Random(0)
+    for split, lines in (("train", 60), ("validation", 20)):
+        text = "\n".join(" ".join(rng.choice(words) for _ in range(rng.randint(4, 12))) for _ in range(lines))
+        (tmp_path / f"{split}.txt").write_text(text + "\n")
+    common = ["--model_type", "plat", "--config_overrides",
+              "hidden_size=32,num_hidden_layers=2,num_attention_heads=4,max_position_embeddings=16",
+              "--train_file", tmp_path / "train.txt", "--validation_file", tmp_path / "validation.txt",
+              "--tokenizer_type", "word", "--max_train_samples", 8, "--do_train", "--do_eval", "--max_steps", 3,
+              "--learning_rate", 3e-3, "--max_eval_samples", 8, "--per_device_eval_batch_size", 4, "--seed", 7,
+              "--report_to", "none", "--save_strategy", "no", "--logging_steps", 1, "--use_cpu"]
+    # Full batches everywhere (training and evaluation), so that means over batches are means over examples.
+    for processes in (1, 2):
+        launch(ROOT / "run_clm.py", *common, "--per_device_train_batch_size", 8 // processes,
+               "--output_dir", tmp_path / f"out{processes}", processes=processes)
+    assert_same_training(tmp_path / "out1", tmp_path / "out2")
+
+
+def write_square_images(root, per_class, seed):
+    """Square images, so that a crop of the whole area (crop_scale_min 1) is the only crop: no augmentation."""
+    rng = np.random.default_rng(seed)
+    for label, brightness in (("dark", 40), ("light", 200)):
+        (root / label).mkdir(parents=True)
+        for i in range(per_class):
+            pixels = rng.integers(0, 50, (20, 20, 3)) + brightness
+            Image.fromarray(pixels.clip(0, 255).astype(np.uint8)).save(root / label / f"{i}.png")
+    return root
+
+
+def test_run_image_classification_two_process_ddp_matches_one_process(tmp_path):
+    common = ["--train_dir", write_square_images(tmp_path / "train", 6, 0),
+              "--validation_dir", write_square_images(tmp_path / "validation", 3, 1),
+              "--config_name", "plat-deit-tiny", "--config_overrides",
+              "hidden_size=32,num_hidden_layers=2,num_attention_heads=2,intermediate_size=64,plap_p=[1.5,2.5],"
+              "image_size=16,patch_size=4", "--crop_scale_min", 1.0, "--hflip_prob", 0.0, "--do_train", "--do_eval",
+              "--max_steps", 3, "--learning_rate", 3e-3, "--per_device_eval_batch_size", 3, "--seed", 7,
+              "--report_to", "none", "--save_strategy", "no", "--logging_steps", 1, "--dataloader_num_workers", 0,
+              "--use_cpu"]
+    for processes in (1, 2):
+        launch(ROOT / "run_image_classification.py", *common, "--per_device_train_batch_size", 12 // processes,
+               "--output_dir", tmp_path / f"out{processes}", processes=processes)
+    assert_same_training(tmp_path / "out1", tmp_path / "out2")
