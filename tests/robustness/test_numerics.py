@@ -1,5 +1,6 @@
 """Forward and backward stay finite at the edges: p at its bounds, coinciding tokens, padding-only rows,
-large activations, long sequences and bf16 autocast, for every backend that runs on this machine."""
+large activations, long sequences and bf16 autocast (bf16 and fp16 on a GPU), for every backend that runs on
+this machine."""
 
 import pytest
 import torch
@@ -65,14 +66,23 @@ def test_long_sequence(backend):
     assert_finite_forward_backward(q, k, v, [1.5, 2.5], is_causal=True, backend=backend)
 
 
+AUTOCAST = [
+    ("cpu", torch.bfloat16),
+    pytest.param("cuda", torch.bfloat16, marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")),
+    pytest.param("cuda", torch.float16, marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")),
+]
+
+
+@pytest.mark.parametrize("device, dtype", AUTOCAST)
 @pytest.mark.parametrize("family", ["text", "vision"])
-def test_bf16_autocast_training_step_is_finite(family):
-    model = (lm() if family == "text" else classifier(plap_p=[1.0, 1.5, 3.0])).train()
+def test_autocast_training_step_is_finite(family, device, dtype):
+    model = (lm() if family == "text" else classifier(plap_p=[1.0, 1.5, 3.0])).train().to(device)
     if family == "text":
         inputs = dict(input_ids=torch.randint(2, 61, (2, 24)), labels=torch.randint(2, 61, (2, 24)))
     else:
         inputs = dict(pixel_values=torch.randn(2, 3, 16, 16), labels=torch.tensor([0, 4]))
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    inputs = {name: tensor.to(device) for name, tensor in inputs.items()}
+    with torch.autocast(device, dtype=dtype):
         loss = model(**inputs).loss
     loss.backward()
     assert torch.isfinite(loss)
