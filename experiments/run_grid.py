@@ -287,6 +287,17 @@ def run_diagnostics(task_name, records, runs_dir, results_dir):
     diagnostics.run(first, TASKS[task_name].diagnostics_task, Path(results_dir) / "diagnostics" / task_name)
 
 
+def write_raw_runs(task_name, records, runs_dir, results_dir):
+    """Each run's record with its full training log, so that the tables and plots can be checked without runs/."""
+    folder = results_dir / "runs" / task_name
+    folder.mkdir(parents=True, exist_ok=True)
+    for record in records:
+        output_dir = cell_dir(runs_dir, task_name, record["variant"], record["seed"])
+        log_history = json.loads((output_dir / "trainer_state.json").read_text())["log_history"]
+        path = folder / f"{record['variant']}-seed{record['seed']}.json"
+        path.write_text(json.dumps({**record, "log_history": log_history}, indent=1))
+
+
 def summarize(task_names, steps, runs_dir, results_dir, with_diagnostics):
     results_dir = Path(results_dir)
     results_dir.mkdir(parents=True, exist_ok=True)
@@ -299,6 +310,7 @@ def summarize(task_names, steps, runs_dir, results_dir, with_diagnostics):
             continue
         summary = summarize_task(task_name, records)
         summaries[task_name] = summary
+        write_raw_runs(task_name, records, runs_dir, results_dir)
         sections += [markdown_table(task_name, summary, steps[task_name]), ""]
         for path in plot_task(task_name, records, summary, runs_dir, results_dir):
             sections.append(f"![{path.stem}]({path.name})")

@@ -77,6 +77,10 @@ def test_summarize_writes_the_table_json_and_plots(finished_grid, tmp_path):
     assert "all_2.5" not in table  # trained with another budget
     summary = json.loads((results_dir / "grid.json").read_text())
     assert set(summary["ptb"]["variants"]) == set(PERPLEXITIES)
+    raw = sorted(path.name for path in (results_dir / "runs" / "ptb").iterdir())
+    assert raw == sorted(f"{variant}-seed{seed}.json" for variant in PERPLEXITIES for seed in range(3))
+    paper_mix = json.loads((results_dir / "runs" / "ptb" / "paper_mix-seed1.json").read_text())
+    assert paper_mix["results"]["test_perplexity"] == PERPLEXITIES["paper_mix"][1] and paper_mix["log_history"]
     for name in ("ptb_learning_curves.png", "ptb_final.png"):
         assert (results_dir / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert f"({name})" in table
