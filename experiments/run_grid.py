@@ -169,6 +169,7 @@ def summarize_task(task_name, records):
             ("metric", [r["results"][task.metric] for r in done]),
             ("validation_metric", [r["results"][task.validation_metric] for r in done]),
             ("seconds_per_step", [r["seconds_per_step"] for r in done]),
+            ("max_grad_norm", [r["max_grad_norm"] for r in done]),
             ("wall_time", [r["wall_time"] for r in done]),
         ):
             row[name], row[f"{name}_std"] = mean_std(values)
@@ -197,11 +198,12 @@ def markdown_table(task_name, summary, steps):
         f"## {task_name}: `{task.preset}` preset, {steps} steps per run, via `{task.script}`",
         "",
         f"Headline metric `{task.metric}` ({better} is better); mean ± std over seeds. \"Beyond spread\": "
-        f"|difference| > std(variant) + std({BASELINE}).",
+        f"|difference| > std(variant) + std({BASELINE}). \"Largest gradient norm\": the largest logged norm of a "
+        "run's gradient before clipping (to 1.0).",
         "",
         f"| variant | overrides | seeds | {task.metric} | difference to {BASELINE} | beyond spread | "
-        f"{task.validation_metric} | s / step | cost vs {BASELINE} | wall s / run |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        f"{task.validation_metric} | s / step | cost vs {BASELINE} | wall s / run | largest gradient norm |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for variant, row in summary["variants"].items():
         difference = "" if "difference" not in row else f"{row['difference']:+.{digits}f}"
@@ -212,9 +214,16 @@ def markdown_table(task_name, summary, steps):
             f"{_fmt(row['metric'], row['metric_std'], digits)} | {difference} | {beyond} | "
             f"{_fmt(row['validation_metric'], row['validation_metric_std'], digits)} | "
             f"{_fmt(row['seconds_per_step'], row['seconds_per_step_std'], 3)} | {cost} | "
-            f"{_fmt(row['wall_time'], row['wall_time_std'], 0)} |"
+            f"{_fmt(row['wall_time'], row['wall_time_std'], 0)} | "
+            f"{_fmt(row['max_grad_norm'], row['max_grad_norm_std'], 2)} |"
         )
     return "\n".join(lines)
+
+
+def max_grad_norm(output_dir):
+    """The largest gradient norm Trainer logged (before clipping): how close a run came to diverging."""
+    history = json.loads((Path(output_dir) / "trainer_state.json").read_text())["log_history"]
+    return max(entry["grad_norm"] for entry in history if "grad_norm" in entry)
 
 
 def learning_curves(output_dir):
@@ -308,6 +317,8 @@ def summarize(task_names, steps, runs_dir, results_dir, with_diagnostics):
         records = [r for r in records if r["max_steps"] == steps[task_name]]
         if not records:
             continue
+        for record in records:
+            record["max_grad_norm"] = max_grad_norm(cell_dir(runs_dir, task_name, record["variant"], record["seed"]))
         summary = summarize_task(task_name, records)
         summaries[task_name] = summary
         write_raw_runs(task_name, records, runs_dir, results_dir)

@@ -20,14 +20,16 @@ def fake_cell(runs_dir, variant, seed, perplexity, steps=150):
     """A finished PTB cell as run_cell leaves it: cell.json and the trainer_state.json its plots read."""
     folder = run_grid.cell_dir(runs_dir, "ptb", variant, seed)
     folder.mkdir(parents=True)
-    history = [{"step": step, "loss": 7.0 - step / 100 - seed / 10} for step in range(6, steps + 1, 6)]
+    history = [{"step": step, "loss": 7.0 - step / 100 - seed / 10, "grad_norm": 1.0 + seed + 10 / step}
+               for step in range(6, steps + 1, 6)]
     history.append({"step": steps, "train_runtime": SECONDS_PER_STEP[variant] * steps})
     (folder / "trainer_state.json").write_text(json.dumps({"global_step": steps, "log_history": history}))
     record = {"task": "ptb", "variant": variant, "seed": seed, "max_steps": steps,
               "config_overrides": run_grid.variant_overrides(variant, 8), "wall_time": 100.0 + seed,
-              **run_grid.cost_from_trainer_state(folder),
+              **run_grid.cost_from_trainer_state(folder), "max_grad_norm": run_grid.max_grad_norm(folder),
               "results": {"test_perplexity": perplexity, "eval_perplexity": perplexity + 20}}
-    (folder / "cell.json").write_text(json.dumps(record))
+    # run_cell does not store the gradient norm: the summary reads it from trainer_state.json.
+    (folder / "cell.json").write_text(json.dumps({k: v for k, v in record.items() if k != "max_grad_norm"}))
     return record
 
 
@@ -59,6 +61,7 @@ def test_summary_statistics_and_the_spread_test(finished_grid):
     assert rows["paper_mix"]["beyond_seed_spread"] is True  # 50 > 10 + 10
     assert rows["all_1.5"]["beyond_seed_spread"] is False  # 5 < 10 + 10
     assert rows["paper_mix"]["relative_cost"] == pytest.approx(1.5)
+    assert rows["paper_mix"]["max_grad_norm"] == pytest.approx(2.0 + 10 / 6)  # seeds 0, 1, 2: 1 + seed + 10 / 6
 
 
 def test_single_seed_spread_is_undecided(finished_grid):
@@ -77,6 +80,7 @@ def test_summarize_writes_the_table_json_and_plots(finished_grid, tmp_path):
     assert "all_2.5" not in table  # trained with another budget
     summary = json.loads((results_dir / "grid.json").read_text())
     assert set(summary["ptb"]["variants"]) == set(PERPLEXITIES)
+    assert summary["ptb"]["variants"]["all_1.5"]["max_grad_norm"] == pytest.approx(2.0 + 10 / 6)
     raw = sorted(path.name for path in (results_dir / "runs" / "ptb").iterdir())
     assert raw == sorted(f"{variant}-seed{seed}.json" for variant in PERPLEXITIES for seed in range(3))
     paper_mix = json.loads((results_dir / "runs" / "ptb" / "paper_mix-seed1.json").read_text())
