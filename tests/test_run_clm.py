@@ -7,7 +7,6 @@ import math
 import os
 import random
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +16,7 @@ import huggingface_hub
 import pytest
 import torch
 import yaml
-from tiny import lm
+from tiny import free_port, lm
 from torch.nn import functional as F
 from transformers import AutoModelForCausalLM, pipeline
 
@@ -279,12 +278,6 @@ def test_word_tokenizer_keeps_ids_contiguous_with_a_literal_unk():
     tokenizer = train_tokenizer(["a b <unk> c", "b <unk> a"], "auto")
     assert sorted(tokenizer.get_vocab().values()) == list(range(len(tokenizer)))
     assert tokenizer("<unk> zzz")["input_ids"] == [tokenizer.unk_token_id] * 2
-
-
-def free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 LAUNCHERS = {

@@ -6,7 +6,6 @@ import json
 import logging
 import os
 import random
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from tiny import free_port
 from transformers import pipeline
 
 import modeling_plat  # noqa: F401
@@ -75,12 +75,6 @@ def folder_args(folders, output_dir, *extra):
             "--config_name", "plat-deit-tiny", "--config_overrides", TINY_RGB, "--per_device_train_batch_size", 8,
             "--per_device_eval_batch_size", 16, "--report_to", "none", "--disable_tqdm", "true",
             "--dataloader_num_workers", 0, *extra]
-
-
-def free_port():
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def results(output_dir):

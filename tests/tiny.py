@@ -1,5 +1,6 @@
 """Tiny p-LaT models built from configs, shared by the test suites."""
 
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -53,3 +54,10 @@ def run_without_plugin(code, folder, *args):
     env = {"HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(Path(folder) / "modules"), "PATH": "/usr/bin:/bin"}
     return subprocess.run([sys.executable, str(script), *map(str, args)], cwd=folder, env=env, capture_output=True,
                           text=True, timeout=300)
+
+
+def free_port():
+    """A TCP port on the loopback that nothing listens on now, for torchrun's and accelerate's rendezvous."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]

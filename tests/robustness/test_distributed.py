@@ -5,7 +5,6 @@ the same global batch. Each step here uses the whole training set, so data order
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -13,17 +12,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 from PIL import Image
+from tiny import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT / "tests")}
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="torchrun with gloo on Linux/macOS")
-
-
-def free_port():
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def launch(script, *args, processes):
