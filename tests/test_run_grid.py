@@ -96,3 +96,5 @@ def test_dry_run_prints_one_command_per_cell(capsys):
     assert len(commands) == 4
     assert all("--max_steps 150" in c and "--config_name plat-ptb-tiny" in c for c in commands)
     assert sum("plap_formulation=euler" in c for c in commands) == 2
+    # Nothing of this machine's layout: the interpreter by name, the script and the default runs folder relative.
+    assert all(c.startswith("python run_clm.py ") and "--output_dir runs/grid/ptb/" in c for c in commands)
