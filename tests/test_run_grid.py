@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+import shlex
 import statistics
 from pathlib import Path
 
@@ -24,8 +25,11 @@ def fake_cell(runs_dir, variant, seed, perplexity, steps=150):
                for step in range(6, steps + 1, 6)]
     history.append({"step": steps, "train_runtime": SECONDS_PER_STEP[variant] * steps})
     (folder / "trainer_state.json").write_text(json.dumps({"global_step": steps, "log_history": history}))
+    # Older cells stored the command as run: with this machine's interpreter and absolute paths.
+    command = shlex.join(run_grid.cell_command(run_grid.TASKS["ptb"], variant, seed, steps, folder, []))
     record = {"task": "ptb", "variant": variant, "seed": seed, "max_steps": steps,
-              "config_overrides": run_grid.variant_overrides(variant, 8), "wall_time": 100.0 + seed,
+              "config_overrides": run_grid.variant_overrides(variant, 8), "command": command,
+              "wall_time": 100.0 + seed,
               **run_grid.cost_from_trainer_state(folder), "max_grad_norm": run_grid.max_grad_norm(folder),
               "results": {"test_perplexity": perplexity, "eval_perplexity": perplexity + 20}}
     # run_cell does not store the gradient norm: the summary reads it from trainer_state.json.
@@ -85,6 +89,7 @@ def test_summarize_writes_the_table_json_and_plots(finished_grid, tmp_path):
     assert raw == sorted(f"{variant}-seed{seed}.json" for variant in PERPLEXITIES for seed in range(3))
     paper_mix = json.loads((results_dir / "runs" / "ptb" / "paper_mix-seed1.json").read_text())
     assert paper_mix["results"]["test_perplexity"] == PERPLEXITIES["paper_mix"][1] and paper_mix["log_history"]
+    assert paper_mix["command"].startswith("python run_clm.py --config_name plat-ptb-tiny")
     for name in ("ptb_learning_curves.png", "ptb_final.png"):
         assert (results_dir / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert f"({name})" in table
