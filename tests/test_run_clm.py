@@ -16,7 +16,7 @@ import huggingface_hub
 import pytest
 import torch
 import yaml
-from tiny import free_port, lm
+from tiny import lm, two_processes
 from torch.nn import functional as F
 from transformers import AutoModelForCausalLM, pipeline
 
@@ -280,19 +280,10 @@ def test_word_tokenizer_keeps_ids_contiguous_with_a_literal_unk():
     assert tokenizer("<unk> zzz")["input_ids"] == [tokenizer.unk_token_id] * 2
 
 
-LAUNCHERS = {
-    "torchrun": lambda: [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                         "--master_port", str(free_port())],
-    "accelerate": lambda: [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                           str(ROOT / "configuration/accelerate/cpu_2_processes.yaml"),
-                           "--main_process_port", str(free_port())],
-}
-
-
 @pytest.mark.parametrize("launcher", ["torchrun", "accelerate"])
 def test_two_process_ddp_on_cpu_saves_a_checkpoint_that_reloads(launcher, text_files, tmp_path):
     output_dir = tmp_path / "out"
-    command = [*LAUNCHERS[launcher](), str(SCRIPT), *TINY_MODEL, *files_args(text_files), *FAST,
+    command = [*two_processes(launcher), str(SCRIPT), *TINY_MODEL, *files_args(text_files), *FAST,
                "--tokenizer_type", "word", "--do_train", "--do_eval", "--max_steps", "3", "--save_steps", "3",
                "--use_cpu", "--ddp_backend", "gloo", "--eval_stride", "4", "--sliding_window_batch_size", "8",
                "--output_dir", str(output_dir)]

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from tiny import free_port
+from tiny import two_processes
 from transformers import pipeline
 
 import modeling_plat  # noqa: F401
@@ -216,7 +216,7 @@ def test_two_process_ddp_on_cpu(folders, tmp_path):
     train_dir, validation_dir = folders
     output_dir = tmp_path / "ddp"
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()), str(SCRIPT),
+        *two_processes("torchrun"), str(SCRIPT),
         *map(str, folder_args(folders, output_dir, "--do_train", "--do_eval", "--max_steps", 2,
                               "--ddp_backend", "gloo", "--mixup_alpha", 0.8)),
     ]

@@ -61,3 +61,16 @@ def free_port():
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def two_processes(launcher):
+    """The command prefix that starts a script in two local processes with ``launcher`` (torchrun or accelerate)."""
+    if launcher == "torchrun":
+        return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
+    if launcher == "accelerate":
+        return [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                str(ROOT / "configuration/accelerate/cpu_2_processes.yaml"), "--main_process_port", str(free_port())]
+    raise ValueError(f"launcher must be 'torchrun' or 'accelerate', got {launcher!r}")

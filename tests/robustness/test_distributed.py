@@ -1,6 +1,7 @@
 """Distributed training computes what one process computes: FSDP with one unit per module class named in
-``_no_split_modules``, and both scripts under two-process DDP (torchrun, gloo) against a single process with
-the same global batch. Each step here uses the whole training set, so data order cannot make a difference."""
+``_no_split_modules``, and both scripts under two-process DDP (torchrun and accelerate launch, gloo) against a
+single process with the same global batch. Each step here uses the whole training set, so data order cannot make
+a difference."""
 
 import json
 import os
@@ -12,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from PIL import Image
-from tiny import free_port
+from tiny import two_processes
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
@@ -20,13 +21,11 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH"
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="torchrun with gloo on Linux/macOS")
 
 
-def launch(script, *args, processes):
-    command = [sys.executable, str(script), *map(str, args)]
-    if processes > 1:
-        command[1:1] = ["-m", "torch.distributed.run", "--nproc_per_node", str(processes),
-                        "--master_port", str(free_port())]
-        if script.name.startswith("run_"):
-            command += ["--ddp_backend", "gloo"]
+def launch(script, *args, launcher=None):
+    """``script`` in one process, or in two under ``launcher`` (torchrun or accelerate)."""
+    command = [*(two_processes(launcher) if launcher else [sys.executable]), str(script), *map(str, args)]
+    if launcher and script.name.startswith("run_"):
+        command += ["--ddp_backend", "gloo"]
     completed = subprocess.run(command, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
     return completed.stdout
@@ -35,7 +34,7 @@ def launch(script, *args, processes):
 @pytest.mark.parametrize("family, units", [("text", ["PlatLayer"] * 2),
                                            ("vision", ["PlatLayer"] * 2 + ["PlatVisionEmbeddings"])])
 def test_fsdp_wraps_no_split_modules_and_matches_one_process(family, units):
-    report = json.loads(launch(HERE / "sharded_training_worker.py", family, processes=2).strip().splitlines()[-1])
+    report = json.loads(launch(HERE / "sharded_training_worker.py", family, launcher="torchrun").strip().splitlines()[-1])
     assert report["units"] == units
     assert report["local_fraction"] < 0.6  # each rank holds about half of the parameters
     assert report["sharded"] == pytest.approx(report["single"], rel=1e-5)
@@ -56,7 +55,8 @@ def assert_same_training(single_dir, ddp_dir):
     assert ddp_eval == pytest.approx(single_eval, rel=1e-5)
 
 
-def test_run_clm_two_process_ddp_matches_one_process(tmp_path):
+@pytest.mark.parametrize("launcher", ["torchrun", "accelerate"])
+def test_run_clm_two_process_ddp_matches_one_process(launcher, tmp_path):
     words = "the a cat dog sat ran on under mat tree big small red blue".split()
     rng = random.Random(0)
     for split, lines in (("train", 60), ("validation", 20)):
@@ -69,9 +69,9 @@ def test_run_clm_two_process_ddp_matches_one_process(tmp_path):
               "--learning_rate", 3e-3, "--max_eval_samples", 8, "--per_device_eval_batch_size", 4, "--seed", 7,
               "--report_to", "none", "--save_strategy", "no", "--logging_steps", 1, "--use_cpu"]
     # Full batches everywhere (training and evaluation), so that means over batches are means over examples.
-    for processes in (1, 2):
+    for processes, how in ((1, None), (2, launcher)):
         launch(ROOT / "run_clm.py", *common, "--per_device_train_batch_size", 8 // processes,
-               "--output_dir", tmp_path / f"out{processes}", processes=processes)
+               "--output_dir", tmp_path / f"out{processes}", launcher=how)
     assert_same_training(tmp_path / "out1", tmp_path / "out2")
 
 
@@ -86,7 +86,8 @@ def write_square_images(root, per_class, seed):
     return root
 
 
-def test_run_image_classification_two_process_ddp_matches_one_process(tmp_path):
+@pytest.mark.parametrize("launcher", ["torchrun", "accelerate"])
+def test_run_image_classification_two_process_ddp_matches_one_process(launcher, tmp_path):
     common = ["--train_dir", write_square_images(tmp_path / "train", 6, 0),
               "--validation_dir", write_square_images(tmp_path / "validation", 3, 1),
               "--config_name", "plat-deit-tiny", "--config_overrides",
@@ -95,7 +96,7 @@ def test_run_image_classification_two_process_ddp_matches_one_process(tmp_path):
               "--max_steps", 3, "--learning_rate", 3e-3, "--per_device_eval_batch_size", 3, "--seed", 7,
               "--report_to", "none", "--save_strategy", "no", "--logging_steps", 1, "--dataloader_num_workers", 0,
               "--use_cpu"]
-    for processes in (1, 2):
+    for processes, how in ((1, None), (2, launcher)):
         launch(ROOT / "run_image_classification.py", *common, "--per_device_train_batch_size", 12 // processes,
-               "--output_dir", tmp_path / f"out{processes}", processes=processes)
+               "--output_dir", tmp_path / f"out{processes}", launcher=how)
     assert_same_training(tmp_path / "out1", tmp_path / "out2")
