@@ -40,7 +40,7 @@ class Task:
     validation_metric: str
     higher_is_better: bool
     default_steps: int
-    # The shared recipe. The default budgets make one cell 3-5 minutes on one CPU core (experiments/README.md).
+    # The shared recipe. The default budgets make one cell 4-6 minutes on one CPU core (experiments/README.md).
     recipe: tuple
 
 
@@ -114,11 +114,15 @@ def cell_command(task, variant, seed, steps, output_dir, extra_args):
     ]
 
 
+def log_history(output_dir):
+    """The training log Trainer keeps in trainer_state.json: one entry per logging step, then its summary."""
+    return json.loads((Path(output_dir) / "trainer_state.json").read_text())["log_history"]
+
+
 def cost_from_trainer_state(output_dir):
     """Steps, training seconds and seconds per step from the final entry of trainer_state.json's log."""
-    state = json.loads((Path(output_dir) / "trainer_state.json").read_text())
-    summary = next(entry for entry in reversed(state["log_history"]) if "train_runtime" in entry)
-    steps = state["global_step"]
+    summary = next(entry for entry in reversed(log_history(output_dir)) if "train_runtime" in entry)
+    steps = summary["step"]
     return {"steps": steps, "train_runtime": summary["train_runtime"],
             "seconds_per_step": summary["train_runtime"] / steps}
 
@@ -228,13 +232,12 @@ def markdown_table(task_name, summary, steps):
 
 def max_grad_norm(output_dir):
     """The largest gradient norm Trainer logged (before clipping): how close a run came to diverging."""
-    history = json.loads((Path(output_dir) / "trainer_state.json").read_text())["log_history"]
-    return max(entry["grad_norm"] for entry in history if "grad_norm" in entry)
+    return max(entry["grad_norm"] for entry in log_history(output_dir) if "grad_norm" in entry)
 
 
 def learning_curves(output_dir):
     """(steps, training losses) and (steps, validation losses) from trainer_state.json's log history."""
-    history = json.loads((Path(output_dir) / "trainer_state.json").read_text())["log_history"]
+    history = log_history(output_dir)
     train = [(e["step"], e["loss"]) for e in history if "loss" in e]
     validation = [(e["step"], e["eval_loss"]) for e in history if "eval_loss" in e]
     return train, validation
@@ -309,11 +312,9 @@ def write_raw_runs(task_name, records, runs_dir, results_dir):
     folder = results_dir / "runs" / task_name
     folder.mkdir(parents=True, exist_ok=True)
     for record in records:
-        output_dir = cell_dir(runs_dir, task_name, record["variant"], record["seed"])
-        log_history = json.loads((output_dir / "trainer_state.json").read_text())["log_history"]
+        history = log_history(cell_dir(runs_dir, task_name, record["variant"], record["seed"]))
         path = folder / f"{record['variant']}-seed{record['seed']}.json"
-        path.write_text(json.dumps({**record, "command": shown(record["command"]), "log_history": log_history},
-                                   indent=1))
+        path.write_text(json.dumps({**record, "command": shown(record["command"]), "log_history": history}, indent=1))
 
 
 def summarize(task_names, steps, runs_dir, results_dir, with_diagnostics):
