@@ -9,6 +9,8 @@ import torch
 
 from modeling_plat import PlatConfig, PlatForCausalLM, PlatForImageClassification
 
+ROOT = Path(__file__).resolve().parents[1]
+
 
 def text_config(**kwargs):
     defaults = dict(vocab_size=61, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
@@ -61,9 +63,6 @@ def free_port():
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
-
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def two_processes(launcher):
