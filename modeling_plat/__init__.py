@@ -1,35 +1,58 @@
 """p-Laplacian Transformer (p-LaT) for Hugging Face Transformers.
 
-Importing this package registers PlatConfig and the models with the Auto classes; saved checkpoints also
-carry `auto_map` and the modeling files, so `from_pretrained(..., trust_remote_code=True)` works without it.
+Importing this package registers both p-LaT families with the Auto classes: the language model (``"plat"``:
+``PlatConfig``, ``AutoModel`` -> ``PlatModel``, ``AutoModelForCausalLM``) and the vision transformer
+(``"plat_vision"``: ``PlatVisionConfig``, ``AutoModel`` -> ``PlatVisionModel``, ``AutoModelForImageClassification``,
+``AutoImageProcessor`` -> ``PlatImageProcessor``). Saved checkpoints also carry ``auto_map`` and these files, so
+``from_pretrained(..., trust_remote_code=True)`` works without the package installed.
 """
 
-from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForImageClassification
+from transformers import (
+    AutoConfig,
+    AutoImageProcessor,
+    AutoModel,
+    AutoModelForCausalLM,
+    AutoModelForImageClassification,
+)
+# The class itself: transformers' top-level name is a placeholder that needs torchvision, the pipelines use this one.
+from transformers.models.auto.video_processing_auto import AutoVideoProcessor
 
-from .configuration_plat import PlatConfig, paper_p_mix
+from .configuration_plat import PlatConfig, PlatConfigBase, PlatVisionConfig, paper_p_mix
+from .image_processing_plat import PlatImageProcessor
 from .modeling_plat import (
     PlatForCausalLM,
     PlatForImageClassification,
     PlatModel,
     PlatPreTrainedModel,
     PlatVisionModel,
+    PlatVisionPreTrainedModel,
 )
 from .plap_attention import BACKENDS, FORMULATIONS, plap_attention, plap_attention_weights
 
-AutoConfig.register("plat", PlatConfig, exist_ok=True)
+AutoConfig.register(PlatConfig.model_type, PlatConfig, exist_ok=True)
+AutoConfig.register(PlatVisionConfig.model_type, PlatVisionConfig, exist_ok=True)
 AutoModel.register(PlatConfig, PlatModel, exist_ok=True)
+AutoModel.register(PlatVisionConfig, PlatVisionModel, exist_ok=True)
 AutoModelForCausalLM.register(PlatConfig, PlatForCausalLM, exist_ok=True)
-AutoModelForImageClassification.register(PlatConfig, PlatForImageClassification, exist_ok=True)
+AutoModelForImageClassification.register(PlatVisionConfig, PlatForImageClassification, exist_ok=True)
+AutoImageProcessor.register(PlatVisionConfig, image_processor_classes={"pil": PlatImageProcessor}, exist_ok=True)
+# No video processor: said explicitly, or pipelines look for one in the checkpoint's remote code and prompt for
+# trust_remote_code (their probe derives it from the grayscale image processor's auto_map).
+AutoVideoProcessor.register(PlatVisionConfig, video_processor_classes={}, exist_ok=True)
 
 __all__ = [
     "BACKENDS",
     "FORMULATIONS",
     "PlatConfig",
+    "PlatConfigBase",
     "PlatForCausalLM",
     "PlatForImageClassification",
+    "PlatImageProcessor",
     "PlatModel",
     "PlatPreTrainedModel",
+    "PlatVisionConfig",
     "PlatVisionModel",
+    "PlatVisionPreTrainedModel",
     "paper_p_mix",
     "plap_attention",
     "plap_attention_weights",

@@ -1,13 +1,24 @@
-"""PlatConfig: one configuration for the p-LaT language model and the p-LaT vision transformer."""
+"""Configurations of the p-LaT families: ``PlatConfig`` (language model, ``"plat"``) and ``PlatVisionConfig``
+(vision transformer, ``"plat_vision"``).
+
+One config type per family, as transformers does for its own text / vision pairs: ``AutoModel`` maps a config
+class to exactly one trunk, so a vision checkpoint must not share the text family's config type.
+"""
 
 import math
 
 from transformers import PretrainedConfig
+from transformers.utils import logging
 
 from .plap_attention import BACKENDS, FORMULATIONS
 
+logger = logging.get_logger(__name__)
+
 # Bumped when a saved config means something different to this code; older configs stay loadable.
 PLAT_CONFIG_VERSION = 1
+VISION_ARCHITECTURES = ("PlatVisionModel", "PlatForImageClassification")
+TEXT_ONLY_FIELDS = ("vocab_size", "max_position_embeddings", "use_cache", "tie_word_embeddings")
+VISION_ONLY_FIELDS = ("image_size", "patch_size", "num_channels")
 
 
 def paper_p_mix(num_heads):
@@ -16,14 +27,10 @@ def paper_p_mix(num_heads):
     return [1.5] * num_low + [2.5] * (num_heads - num_low)
 
 
-class PlatConfig(PretrainedConfig):
-    r"""Configuration of a p-Laplacian Transformer (p-LaT, arXiv 2311.03235).
-
-    The language model (`PlatForCausalLM`) reads the text fields, the vision transformer
-    (`PlatForImageClassification`) the image fields; both read the shared transformer and p-LaT fields.
+class PlatConfigBase(PretrainedConfig):
+    r"""The transformer and p-Laplacian fields that both p-LaT families share; not a model type of its own.
 
     Args:
-        vocab_size (`int`, defaults to 10000): text vocabulary size.
         hidden_size (`int`, defaults to 128): width of the residual stream.
         num_hidden_layers (`int`, defaults to 4): number of transformer blocks.
         num_attention_heads (`int`, defaults to 8): heads per block; must divide `hidden_size`.
@@ -31,13 +38,9 @@ class PlatConfig(PretrainedConfig):
         hidden_act (`str`, defaults to `"gelu"`): MLP activation (any key of `transformers.activations.ACT2FN`).
         hidden_dropout_prob (`float`, defaults to 0.0): dropout on embeddings and residual branches.
         attention_probs_dropout_prob (`float`, defaults to 0.0): dropout on the effective attention weights.
-        max_position_embeddings (`int`, defaults to 256): longest text sequence (learned positions).
         layer_norm_eps (`float`, defaults to 1e-5): LayerNorm epsilon.
         initializer_range (`float`, defaults to 0.02): std of the normal weight init.
         qkv_bias (`bool`, defaults to `True`): biases on the query, key and value projections.
-        tie_word_embeddings (`bool`, defaults to `True`): share the LM head with the token embeddings.
-        image_size (`int`, defaults to 224), patch_size (`int`, defaults to 16), num_channels (`int`, defaults to 3):
-            vision input; `image_size` must be a multiple of `patch_size`.
         plap_p (`float`, `list[float]` or `list[list[float]]`, defaults to the paper's mix): the exponent p,
             one for all heads, one per head (shared by all layers) or one per layer and head. `p = 2` is
             softmax attention. The default is the paper's mix: ceil(H / 2) heads with p = 1.5, the rest 2.5.
@@ -48,12 +51,11 @@ class PlatConfig(PretrainedConfig):
         plat_config_version (`int`): format version of this config; a newer one than the code knows is refused.
     """
 
-    model_type = "plat"
-    keys_to_ignore_at_inference = ["past_key_values"]
+    # Integer fields of the family that must be positive (checked with the shared ones).
+    family_sizes = ()
 
     def __init__(
         self,
-        vocab_size=10000,
         hidden_size=128,
         num_hidden_layers=4,
         num_attention_heads=8,
@@ -61,15 +63,9 @@ class PlatConfig(PretrainedConfig):
         hidden_act="gelu",
         hidden_dropout_prob=0.0,
         attention_probs_dropout_prob=0.0,
-        max_position_embeddings=256,
         layer_norm_eps=1e-5,
         initializer_range=0.02,
         qkv_bias=True,
-        use_cache=True,
-        tie_word_embeddings=True,
-        image_size=224,
-        patch_size=16,
-        num_channels=3,
         plap_p=None,
         plap_eps=1e-6,
         plap_formulation="paper",
@@ -77,7 +73,6 @@ class PlatConfig(PretrainedConfig):
         plat_config_version=PLAT_CONFIG_VERSION,
         **kwargs,
     ):
-        self.vocab_size = vocab_size
         self.hidden_size = hidden_size
         self.num_hidden_layers = num_hidden_layers
         self.num_attention_heads = num_attention_heads
@@ -85,20 +80,14 @@ class PlatConfig(PretrainedConfig):
         self.hidden_act = hidden_act
         self.hidden_dropout_prob = hidden_dropout_prob
         self.attention_probs_dropout_prob = attention_probs_dropout_prob
-        self.max_position_embeddings = max_position_embeddings
         self.layer_norm_eps = layer_norm_eps
         self.initializer_range = initializer_range
         self.qkv_bias = qkv_bias
-        self.use_cache = use_cache
-        self.image_size = image_size
-        self.patch_size = patch_size
-        self.num_channels = num_channels
         self.plap_p = paper_p_mix(num_attention_heads) if plap_p is None else plap_p
         self.plap_eps = plap_eps
         self.plap_formulation = plap_formulation
         self.plap_backend = plap_backend
         self.plat_config_version = plat_config_version
-        self.tie_word_embeddings = tie_word_embeddings
         super().__init__(**kwargs)
         self.validate_plat()
 
@@ -109,8 +98,8 @@ class PlatConfig(PretrainedConfig):
                 f"This config has plat_config_version={self.plat_config_version!r}, written by a newer plat than "
                 f"this one (which reads up to {PLAT_CONFIG_VERSION}); upgrade plat or load it with trust_remote_code=True"
             )
-        for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "patch_size",
-                     "image_size", "num_channels", "vocab_size", "max_position_embeddings"):
+        for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                     *self.family_sizes):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer; got {value!r}")
@@ -119,8 +108,6 @@ class PlatConfig(PretrainedConfig):
                 f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
                 f"({self.num_attention_heads})"
             )
-        if self.image_size % self.patch_size:
-            raise ValueError(f"image_size ({self.image_size}) must be a multiple of patch_size ({self.patch_size})")
         if not (isinstance(self.plap_eps, (int, float)) and math.isfinite(self.plap_eps) and self.plap_eps > 0):
             raise ValueError(f"plap_eps must be a finite number > 0; got {self.plap_eps!r}")
         if self.plap_formulation not in FORMULATIONS:
@@ -156,3 +143,67 @@ class PlatConfig(PretrainedConfig):
                 if value < 1:
                     raise ValueError(f"plap_p values must be >= 1 (p < 1 is not a p-Laplacian); got {value}")
         return [[float(v) for v in row] for row in table]
+
+
+class PlatConfig(PlatConfigBase):
+    r"""Configuration of a p-LaT language model (`PlatModel`, `PlatForCausalLM`), GPT-2-style.
+
+    Args:
+        vocab_size (`int`, defaults to 10000): text vocabulary size.
+        max_position_embeddings (`int`, defaults to 256): longest text sequence (learned positions).
+        use_cache (`bool`, defaults to `True`): return the key/value cache for generation.
+        tie_word_embeddings (`bool`, defaults to `True`): share the LM head with the token embeddings.
+        Further arguments: the transformer and p-LaT fields of `PlatConfigBase`.
+    """
+
+    model_type = "plat"
+    keys_to_ignore_at_inference = ["past_key_values"]
+    family_sizes = ("vocab_size", "max_position_embeddings")
+
+    def __init__(self, vocab_size=10000, max_position_embeddings=256, use_cache=True, tie_word_embeddings=True,
+                 **kwargs):
+        self.vocab_size = vocab_size
+        self.max_position_embeddings = max_position_embeddings
+        self.use_cache = use_cache
+        self.tie_word_embeddings = tie_word_embeddings
+        super().__init__(**kwargs)
+
+    @classmethod
+    def from_dict(cls, config_dict, **kwargs):
+        # Before the vision family had its own type, vision checkpoints were saved as "plat" with every field of
+        # both families: read those as what they are, so that AutoModel never builds a random text trunk.
+        if cls is PlatConfig and set(config_dict.get("architectures") or ()) & set(VISION_ARCHITECTURES):
+            logger.warning(
+                "This checkpoint's config.json says model_type 'plat' but holds a p-LaT vision model: it was "
+                "saved before the vision family had its own config type. Loading it as PlatVisionConfig; "
+                "save_pretrained() writes it anew as 'plat_vision'."
+            )
+            fields = {k: v for k, v in config_dict.items() if k not in TEXT_ONLY_FIELDS}
+            return PlatVisionConfig.from_dict({**fields, "model_type": PlatVisionConfig.model_type}, **kwargs)
+        fields = {k: v for k, v in config_dict.items() if k not in VISION_ONLY_FIELDS}
+        return super().from_dict(fields, **kwargs)
+
+
+class PlatVisionConfig(PlatConfigBase):
+    r"""Configuration of a p-LaT vision transformer (`PlatVisionModel`, `PlatForImageClassification`), ViT/DeiT-style.
+
+    Args:
+        image_size (`int`, defaults to 224): side of the square input images; a multiple of `patch_size`.
+        patch_size (`int`, defaults to 16): side of the square patches.
+        num_channels (`int`, defaults to 3): image channels (1 for grayscale).
+        Further arguments: the transformer and p-LaT fields of `PlatConfigBase`.
+    """
+
+    model_type = "plat_vision"
+    family_sizes = ("image_size", "patch_size", "num_channels")
+
+    def __init__(self, image_size=224, patch_size=16, num_channels=3, **kwargs):
+        self.image_size = image_size
+        self.patch_size = patch_size
+        self.num_channels = num_channels
+        super().__init__(**kwargs)
+
+    def validate_plat(self):
+        super().validate_plat()
+        if self.image_size % self.patch_size:
+            raise ValueError(f"image_size ({self.image_size}) must be a multiple of patch_size ({self.patch_size})")

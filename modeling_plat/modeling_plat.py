@@ -24,14 +24,14 @@ from transformers.modeling_outputs import (
 )
 from transformers.utils.generic import can_return_tuple
 
-from .configuration_plat import PlatConfig
+from .configuration_plat import PlatConfig, PlatConfigBase, PlatVisionConfig
 from .plap_attention import plap_attention, plap_attention_weights
 
 
 class PlatAttention(nn.Module):
     """Multi-head p-Laplacian self-attention (eq. 12) with one exponent p per head."""
 
-    def __init__(self, config: PlatConfig, layer_idx: int, is_causal: bool):
+    def __init__(self, config: PlatConfigBase, layer_idx: int, is_causal: bool):
         super().__init__()
         self.config = config
         self.layer_idx = layer_idx
@@ -76,7 +76,7 @@ class PlatAttention(nn.Module):
 
 
 class PlatMLP(nn.Module):
-    def __init__(self, config: PlatConfig):
+    def __init__(self, config: PlatConfigBase):
         super().__init__()
         self.fc1 = nn.Linear(config.hidden_size, config.intermediate_size)
         self.act = ACT2FN[config.hidden_act]
@@ -89,7 +89,7 @@ class PlatMLP(nn.Module):
 class PlatLayer(GradientCheckpointingLayer):
     """Pre-LayerNorm transformer block: x + Attn(LN(x)), then x + MLP(LN(x))."""
 
-    def __init__(self, config: PlatConfig, layer_idx: int, is_causal: bool):
+    def __init__(self, config: PlatConfigBase, layer_idx: int, is_causal: bool):
         super().__init__()
         self.attn_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.attention = PlatAttention(config, layer_idx, is_causal)
@@ -122,6 +122,8 @@ def run_layers(layers, hidden_states, attn_mask, past_key_values, output_attenti
 
 
 class PlatPreTrainedModel(PreTrainedModel):
+    """Weights init, loading and saving shared by both p-LaT families; the text family's base class."""
+
     config_class = PlatConfig
     config: PlatConfig
     base_model_prefix = "model"
@@ -133,8 +135,9 @@ class PlatPreTrainedModel(PreTrainedModel):
     _supports_sdpa = False
     _supports_flash_attn = False
     _supports_flex_attn = False
-    # Auto classes a saved checkpoint names in auto_map for remote code: the trunk and the head of its family.
-    _family_auto_map = {}
+    # Auto classes a saved checkpoint names in auto_map for remote code: the trunk and the head of its family
+    # (transformers writes only the saved class's own entry).
+    _family_auto_map = {"AutoModel": "modeling_plat.PlatModel", "AutoModelForCausalLM": "modeling_plat.PlatForCausalLM"}
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
@@ -174,17 +177,8 @@ def _check_range(name, tensor, low, high, hint):
         raise ValueError(f"{name} must lie in [{low}, {high - 1}] ({hint}); got values in [{lowest}, {highest}]")
 
 
-TEXT_AUTO_MAP = {"AutoModel": "modeling_plat.PlatModel", "AutoModelForCausalLM": "modeling_plat.PlatForCausalLM"}
-VISION_AUTO_MAP = {
-    "AutoModel": "modeling_plat.PlatVisionModel",
-    "AutoModelForImageClassification": "modeling_plat.PlatForImageClassification",
-}
-
-
 class PlatModel(PlatPreTrainedModel):
     """Decoder-only p-LaT trunk: token + learned position embeddings, causal pre-LN blocks, final LayerNorm."""
-
-    _family_auto_map = TEXT_AUTO_MAP
 
     def __init__(self, config: PlatConfig):
         super().__init__(config)
@@ -281,7 +275,6 @@ class PlatModel(PlatPreTrainedModel):
 
 
 class PlatForCausalLM(PlatPreTrainedModel, GenerationMixin):
-    _family_auto_map = TEXT_AUTO_MAP
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
 
     def __init__(self, config: PlatConfig):
@@ -343,7 +336,7 @@ class PlatForCausalLM(PlatPreTrainedModel, GenerationMixin):
 class PlatVisionEmbeddings(nn.Module):
     """ViT embeddings: non-overlapping patches by a strided convolution, a [CLS] token, learned positions."""
 
-    def __init__(self, config: PlatConfig):
+    def __init__(self, config: PlatVisionConfig):
         super().__init__()
         self.patch_size = config.patch_size
         self.num_patches = (config.image_size // config.patch_size) ** 2
@@ -378,15 +371,24 @@ class PlatVisionEmbeddings(nn.Module):
         return self.dropout(embeddings)
 
 
-class PlatVisionModel(PlatPreTrainedModel):
-    """ViT/DeiT-style p-LaT trunk: patch embeddings, bidirectional pre-LN blocks, final LayerNorm."""
+class PlatVisionPreTrainedModel(PlatPreTrainedModel):
+    """The vision family's base class: its own config type, so that AutoModel maps it to the vision trunk."""
 
+    config_class = PlatVisionConfig
+    config: PlatVisionConfig
     base_model_prefix = "vit"
     main_input_name = "pixel_values"
     input_modalities = ("image",)
-    _family_auto_map = VISION_AUTO_MAP
+    _family_auto_map = {
+        "AutoModel": "modeling_plat.PlatVisionModel",
+        "AutoModelForImageClassification": "modeling_plat.PlatForImageClassification",
+    }
 
-    def __init__(self, config: PlatConfig):
+
+class PlatVisionModel(PlatVisionPreTrainedModel):
+    """ViT/DeiT-style p-LaT trunk: patch embeddings, bidirectional pre-LN blocks, final LayerNorm."""
+
+    def __init__(self, config: PlatVisionConfig):
         super().__init__(config)
         self.embeddings = PlatVisionEmbeddings(config)
         self.layers = nn.ModuleList(PlatLayer(config, i, is_causal=False) for i in range(config.num_hidden_layers))
@@ -451,15 +453,10 @@ class PlatVisionModel(PlatPreTrainedModel):
         )
 
 
-class PlatForImageClassification(PlatPreTrainedModel):
+class PlatForImageClassification(PlatVisionPreTrainedModel):
     """p-LaT vision transformer with a linear classifier on the final [CLS] token."""
 
-    base_model_prefix = "vit"
-    main_input_name = "pixel_values"
-    input_modalities = ("image",)
-    _family_auto_map = VISION_AUTO_MAP
-
-    def __init__(self, config: PlatConfig):
+    def __init__(self, config: PlatVisionConfig):
         super().__init__(config)
         self.num_labels = config.num_labels
         self.vit = PlatVisionModel(config)
@@ -513,6 +510,7 @@ class PlatForImageClassification(PlatPreTrainedModel):
 
 __all__ = [
     "PlatPreTrainedModel",
+    "PlatVisionPreTrainedModel",
     "PlatModel",
     "PlatForCausalLM",
     "PlatVisionModel",
@@ -520,6 +518,7 @@ __all__ = [
 ]
 
 PlatConfig.register_for_auto_class()
+PlatVisionConfig.register_for_auto_class()
 PlatModel.register_for_auto_class("AutoModel")
 PlatForCausalLM.register_for_auto_class("AutoModelForCausalLM")
 PlatVisionModel.register_for_auto_class("AutoModel")

@@ -9,7 +9,7 @@ import torch
 from transformers import DeiTConfig, DeiTForImageClassification, GPT2Config, GPT2LMHeadModel, ViTConfig, ViTModel
 
 from modeling_plat import PlatForCausalLM, PlatVisionModel
-from modeling_plat.convert import _parse_p, convert_to_plat
+from modeling_plat.convert import convert_to_plat
 from tiny import train_losses
 
 VIT = dict(num_hidden_layers=2, hidden_size=24, num_attention_heads=3, intermediate_size=48, image_size=16,
@@ -50,19 +50,14 @@ def test_unsupported_sources_raise_clear_errors():
         convert_to_plat(odd)
 
 
-@pytest.mark.parametrize("text, expected", [("2", 2), ("1.5,1.5,2.5", [1.5, 1.5, 2.5]), ("[[1.5],[2.5]]", [[1.5], [2.5]])])
-def test_parse_p(text, expected):
-    assert _parse_p(text) == expected
-
-
 def test_cli_round_trip(tmp_path):
     source = tmp_path / "gpt2"
     gpt2 = tiny_gpt2()
     gpt2.save_pretrained(source)
     output = tmp_path / "plat"
     result = subprocess.run(
-        [sys.executable, "-m", "modeling_plat.convert", "--source", str(source), "--output", str(output),
-         "--plap_p", "2.0"], capture_output=True, text=True, timeout=300,
+        [sys.executable, "-m", "plat_train.convert", "--source", str(source), "--output", str(output),
+         "--config_overrides", "plap_p=2.0"], capture_output=True, text=True, timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     config = json.loads((output / "config.json").read_text())

@@ -9,10 +9,10 @@ import torch
 from tiny import text_config, vision_config
 
 from modeling_plat import PlatForCausalLM, PlatForImageClassification
-from plat_train import diagnostics
-from plat_train.diagnostics import hc_dc_ratio, largest_abs_eigenvalue, p_dirichlet_energy
-from plat_train.image_processing_plat import PlatImageProcessor
-from plat_train.lm_data import train_tokenizer
+import diagnostics
+from diagnostics import hc_dc_ratio, largest_abs_eigenvalue, p_dirichlet_energy
+from modeling_plat import PlatImageProcessor
+from plat_train.text_data import train_tokenizer
 
 
 def _random_stochastic(shape, generator):

@@ -9,7 +9,9 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from modeling_plat import PlatConfig, PlatForCausalLM
-from plat_train.model_card import model_card_text, write_model_card
+from huggingface_hub import ModelCard
+
+from plat_train.model_cards import PTB_DATASET, model_card, write_model_card
 from tiny import run_without_plugin
 
 
@@ -32,23 +34,38 @@ def split_card(text):
     return yaml.safe_load(match.group(1)), text[match.end():]
 
 
-def test_card_metadata_and_body():
+def test_card_metadata_model_index_and_body(tmp_path):
     config = PlatConfig(num_attention_heads=4, hidden_size=32, plap_p=[[1.5, 1.5, 2.5, 2.5]] * 4)
-    text = model_card_text(config, "text-generation", "org/plat-ptb", metrics={"eval_perplexity": 123.4567, "eval_runtime": 3.2},
-                           dataset="ptb_text_only", command="python run_clm.py --x 1", base_model="gpt2")
-    metadata, body = split_card(text)
+    metrics = {"eval_perplexity": 123.4567, "eval_runtime": 3.2, "test_perplexity": 120.5,
+               "test_sliding_perplexity": 110.25, "test_accuracy": 0.25}
+    card = model_card(config, "text-generation", "org/plat-ptb", metrics=metrics, dataset=PTB_DATASET,
+                      command="python run_clm.py --x 1", base_model="gpt2", hyperparameters={"learning_rate": 3e-3})
+    card.save(tmp_path / "README.md")
+    loaded = ModelCard.load(tmp_path / "README.md")  # parsed back as the Hub parses it
+    metadata, body = split_card(loaded.content)
     assert metadata["library_name"] == "transformers" and metadata["pipeline_tag"] == "text-generation"
-    assert {"p-laplacian-transformer", "plat"} <= set(metadata["tags"])
-    assert metadata["datasets"] == ["ptb_text_only"] and metadata["base_model"] == "gpt2"
-    assert metadata["metrics"] == ["perplexity"]
-    assert "| eval_perplexity | 123.5 |" in body and "python run_clm.py --x 1" in body
-    assert "eval_runtime" not in body
+    assert {"p-laplacian-transformer", "plat"} <= set(metadata["tags"]) and metadata["license"] == "apache-2.0"
+    assert metadata["datasets"] == [PTB_DATASET] and metadata["base_model"] == "gpt2"
+    assert set(metadata["metrics"]) == {"perplexity", "accuracy"}
+    results = {(r.dataset_split, r.metric_name): r.metric_value for r in loaded.data.eval_results}
+    assert results == {("test", "Perplexity (sliding window)"): 110.25, ("test", "Perplexity"): 120.5,
+                       ("test", "Token accuracy"): 0.25, ("validation", "Perplexity"): 123.4567}
+    assert all(r.dataset_type == PTB_DATASET and r.task_type == "text-generation" for r in loaded.data.eval_results)
+    assert loaded.data.model_name == "plat-ptb"
+    assert "| test | Perplexity (sliding window) | 110.2 |" in body and "python run_clm.py --x 1" in body
+    assert "runtime" not in body.lower().split("## training command")[0]
+    assert "- learning_rate: 0.003" in body and "- transformers " in body
     assert "[1.5, 1.5, 2.5, 2.5]" in body and "trust_remote_code=True" in body
+
+
+def test_card_without_a_hub_dataset_has_no_model_index(tmp_path):
+    card = model_card(PlatConfig(), "text-generation", "local", metrics={"eval_perplexity": 99.0})
+    assert card.data.eval_results is None and "| validation | Perplexity | 99 |" in card.content
 
 
 def test_card_rejects_unknown_task():
     with pytest.raises(ValueError, match="task must be one of"):
-        model_card_text(PlatConfig(), "translation", "x")
+        model_card(PlatConfig(), "translation", "x")
 
 
 def test_text_snippet_runs_as_printed_without_the_plugin(tmp_path):

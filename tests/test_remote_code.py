@@ -6,7 +6,7 @@ import textwrap
 import pytest
 import torch
 
-from modeling_plat import PlatConfig, PlatForCausalLM, PlatForImageClassification
+from modeling_plat import PlatConfig, PlatForCausalLM, PlatForImageClassification, PlatVisionConfig
 from tiny import run_without_plugin
 
 # Runs where plat cannot be imported: loads with trust_remote_code and saves the outputs.
@@ -35,14 +35,14 @@ def test_trust_remote_code_in_fresh_process(tmp_path, family):
         model, inputs = PlatForCausalLM(config), torch.randint(0, 50, (2, 9))
         auto, trunk = "AutoModelForCausalLM", "PlatModel"
     else:
-        config = PlatConfig(hidden_size=24, num_hidden_layers=2, num_attention_heads=3, image_size=16,
+        config = PlatVisionConfig(hidden_size=24, num_hidden_layers=2, num_attention_heads=3, image_size=16,
                             patch_size=4, num_labels=4, plap_formulation="euler")
         model, inputs = PlatForImageClassification(config), torch.randn(2, 3, 16, 16)
         auto, trunk = "AutoModelForImageClassification", "PlatVisionModel"
     folder = tmp_path / "checkpoint"
     model.eval().save_pretrained(folder)
     auto_map = json.loads((folder / "config.json").read_text())["auto_map"]
-    assert auto_map["AutoConfig"] == "configuration_plat.PlatConfig"
+    assert auto_map["AutoConfig"] == f"configuration_plat.{type(config).__name__}"
     assert auto_map[auto] == f"modeling_plat.{type(model).__name__}"
     assert {"modeling_plat.py", "configuration_plat.py", "plap_attention.py"} <= {p.name for p in folder.iterdir()}
 

@@ -1,7 +1,6 @@
 """run_clm.py end to end on tiny generated text and a slice of the embedded Penn Treebank, the sliding-window
 evaluation against direct per-token scoring, resuming, two-process DDP, and the clear errors for bad input."""
 
-import importlib.util
 import json
 import math
 import os
@@ -21,8 +20,10 @@ from torch.nn import functional as F
 from transformers import AutoModelForCausalLM, pipeline
 
 import modeling_plat  # noqa: F401
-from plat_train.common import HubUnreachableError
-from plat_train.lm_data import (
+from plat_train import causal_lm as run_clm
+from plat_train.model_setup import build_config, parse_config_overrides
+from plat_train.runs import HubUnreachableError
+from plat_train.text_data import (
     iter_texts,
     load_penn_treebank,
     token_stream,
@@ -30,14 +31,10 @@ from plat_train.lm_data import (
     train_tokenizer,
     unigram_perplexity,
 )
-from plat_train.lm_eval import sliding_window_metrics, window_plan
+from plat_train.text_metrics import sliding_window_metrics, window_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "run_clm.py"
-
-spec = importlib.util.spec_from_file_location("run_clm", SCRIPT)
-run_clm = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(run_clm)
 
 BLOCK = 16
 TINY_MODEL = ["--model_type", "plat", "--config_overrides",
@@ -227,15 +224,16 @@ def test_window_plan_scores_every_token_once_with_the_window_before_it(num_token
 
 
 def test_config_overrides_parse_lists_and_reject_unknown_fields():
-    parsed = run_clm.parse_config_overrides("hidden_size=64,plap_p=[1.5, 2.5],hidden_act=relu,qkv_bias=false")
+    parsed = parse_config_overrides("hidden_size=64,plap_p=[1.5, 2.5],hidden_act=relu,qkv_bias=false")
     assert parsed == {"hidden_size": 64, "plap_p": [1.5, 2.5], "hidden_act": "relu", "qkv_bias": False}
-    model_args = run_clm.ModelArguments(model_type="plat", config_overrides="num_attention_heads=4,hidden_size=64")
-    config = run_clm.build_config(model_args)
+    model_args = run_clm.TextModelArguments(model_type="plat", config_overrides="num_attention_heads=4,hidden_size=64")
+    config = build_config(model_args, "text-generation")
     assert config.plap_p == [1.5, 1.5, 2.5, 2.5] and config.intermediate_size == 256
     with pytest.raises(ValueError, match="does not have"):
-        run_clm.build_config(run_clm.ModelArguments(model_type="plat", config_overrides="n_embd=10"))
+        build_config(run_clm.TextModelArguments(model_type="plat", config_overrides="n_embd=10"), "text-generation")
     with pytest.raises(ValueError, match="plap_p"):
-        run_clm.build_config(run_clm.ModelArguments(config_name="plat-ptb-tiny", config_overrides="plap_p=[1.5]"))
+        build_config(run_clm.TextModelArguments(config_name="plat-ptb-tiny", config_overrides="plap_p=[1.5]"),
+                     "text-generation")
 
 
 def test_missing_file_is_reported(tmp_path):

@@ -1,7 +1,6 @@
 """run_image_classification.py end to end on tiny generated image folders and a slice of Fashion-MNIST, plus
 the augmentation pipeline and the clear errors for bad input."""
 
-import importlib.util
 import json
 import logging
 import os
@@ -15,19 +14,20 @@ import pytest
 import torch
 from PIL import Image
 from tiny import two_processes
-from transformers import pipeline
+from transformers import AutoConfig, AutoModelForImageClassification, pipeline
 
 import modeling_plat  # noqa: F401
-from plat_train import image_data
-from plat_train.augment import RAND_AUGMENT_OPS, MixupCutmix, TrainTransform, random_erasing
+from plat_train import image_classification as run_image_classification
+from plat_train import vision_data
+from plat_train.arguments import PlatTrainingArguments
+from plat_train.model_setup import parse_config_overrides
+from plat_train.presets import resolve_config_name
+from plat_train.trainers import ImageClassificationTrainer
+from plat_train.vision_augment import RAND_AUGMENT_OPS, MixupCutmix, TrainTransform, random_erasing
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "run_image_classification.py"
-FASHION_MNIST_PRESENT = Path(image_data.FASHION_MNIST_DIR, "train-images-idx3-ubyte.gz").is_file()
-
-spec = importlib.util.spec_from_file_location("run_image_classification", SCRIPT)
-run_image_classification = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(run_image_classification)
+FASHION_MNIST_PRESENT = Path(vision_data.FASHION_MNIST_DIR, "train-images-idx3-ubyte.gz").is_file()
 
 TINY_MODEL = "hidden_size=32,num_hidden_layers=2,num_attention_heads=2,intermediate_size=64,plap_p=[1.5,2.5]"
 TINY_RGB = f"{TINY_MODEL},image_size=16,patch_size=4,num_channels=3"
@@ -134,10 +134,10 @@ def test_mixup_cutmix_soft_targets(mixup_alpha, cutmix_alpha):
 
 
 def test_config_overrides_accept_lists_and_strings():
-    parsed = run_image_classification.parse_overrides("plap_p=[1.5,2.5],hidden_act=relu,image_size=32,qkv_bias=false")
+    parsed = parse_config_overrides("plap_p=[1.5,2.5],hidden_act=relu,image_size=32,qkv_bias=false")
     assert parsed == {"plap_p": [1.5, 2.5], "hidden_act": "relu", "image_size": 32, "qkv_bias": False}
     with pytest.raises(ValueError, match="key=value"):
-        run_image_classification.parse_overrides("plap_p")
+        parse_config_overrides("plap_p")
 
 
 # ---- end to end -----------------------------------------------------------------------------------------
@@ -162,13 +162,9 @@ def test_image_folders_full_recipe_then_pipeline(folders, tmp_path):
 
 
 def test_weight_decay_spares_biases_norms_cls_token_and_positions(folders, tmp_path):
-    config = run_image_classification.AutoConfig.from_pretrained(
-        run_image_classification.resolve_config_name("plat-deit-tiny"), num_hidden_layers=1
-    )
-    model = run_image_classification.AutoModelForImageClassification.from_config(config)
-    trainer = run_image_classification.ImageClassificationTrainer(
-        model=model, args=run_image_classification.PlatTrainingArguments(output_dir=str(tmp_path), report_to="none")
-    )
+    config = AutoConfig.from_pretrained(resolve_config_name("plat-deit-tiny"), num_hidden_layers=1)
+    model = AutoModelForImageClassification.from_config(config)
+    trainer = ImageClassificationTrainer(model=model, args=PlatTrainingArguments(output_dir=str(tmp_path), report_to="none"))
     decayed = set(trainer.get_decay_parameter_names(model))
     assert "vit.embeddings.patch_embeddings.weight" in decayed and "classifier.weight" in decayed
     for name, _ in model.named_parameters():
@@ -188,7 +184,7 @@ def test_resume_from_last_checkpoint(folders, tmp_path, caplog):
     assert state["global_step"] == 4
 
 
-@pytest.mark.skipif(not FASHION_MNIST_PRESENT, reason=f"Fashion-MNIST absent: `{image_data.FASHION_MNIST_INSTALL}`")
+@pytest.mark.skipif(not FASHION_MNIST_PRESENT, reason=f"Fashion-MNIST absent: `{vision_data.FASHION_MNIST_INSTALL}`")
 def test_fashion_mnist_default_and_grayscale_pipeline(tmp_path):
     output_dir = tmp_path / "fmnist"
     run(["--output_dir", output_dir, "--do_train", "--do_eval", "--config_overrides", TINY_GRAY,
@@ -234,9 +230,9 @@ def test_two_process_ddp_on_cpu(folders, tmp_path):
 def test_empty_folder_is_refused(tmp_path):
     (tmp_path / "train" / "cat").mkdir(parents=True)
     with pytest.raises(ValueError, match="No images found"):
-        image_data.load_image_folders(tmp_path / "train")
+        vision_data.load_image_folders(tmp_path / "train")
     with pytest.raises(FileNotFoundError, match="does not exist"):
-        image_data.load_image_folders(tmp_path / "missing")
+        vision_data.load_image_folders(tmp_path / "missing")
 
 
 def test_unreadable_folder_is_refused(tmp_path):
@@ -244,13 +240,13 @@ def test_unreadable_folder_is_refused(tmp_path):
         (tmp_path / kind).mkdir()
         (tmp_path / kind / "0.png").write_bytes(b"not an image")
     with pytest.raises(ValueError, match="None of the 2 image files"):
-        image_data.load_image_folders(tmp_path)
+        vision_data.load_image_folders(tmp_path)
 
 
 def test_single_class_is_refused(tmp_path):
     make_folder(tmp_path / "train", per_class=2, classes=("only",))
     with pytest.raises(ValueError, match="single class"):
-        image_data.load_image_folders(tmp_path / "train")
+        vision_data.load_image_folders(tmp_path / "train")
 
 
 def test_corrupt_images_are_skipped_and_counted(tmp_path, caplog):
@@ -259,7 +255,7 @@ def test_corrupt_images_are_skipped_and_counted(tmp_path, caplog):
     png = (train_dir / "square" / "0.png").read_bytes()
     (train_dir / "square" / "cut.png").write_bytes(png[: len(png) // 2])
     with caplog.at_level(logging.WARNING):
-        splits = image_data.load_image_folders(train_dir)
+        splits = vision_data.load_image_folders(train_dir)
     assert len(splits["train"]) == 6
     assert "Skipped 2 of 8 unreadable or corrupt image files" in caplog.text
 

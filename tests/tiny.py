@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from modeling_plat import PlatConfig, PlatForCausalLM, PlatForImageClassification
+from modeling_plat import PlatConfig, PlatForCausalLM, PlatForImageClassification, PlatVisionConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -21,7 +21,7 @@ def text_config(**kwargs):
 def vision_config(**kwargs):
     defaults = dict(hidden_size=24, num_hidden_layers=2, num_attention_heads=3, intermediate_size=48,
                     image_size=16, patch_size=4, num_labels=5)
-    return PlatConfig(**(defaults | kwargs))
+    return PlatVisionConfig(**(defaults | kwargs))
 
 
 def lm(**kwargs):
@@ -71,5 +71,5 @@ def two_processes(launcher):
         return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
     if launcher == "accelerate":
         return [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                str(ROOT / "configuration/accelerate/cpu_2_processes.yaml"), "--main_process_port", str(free_port())]
+                str(ROOT / "plat_train/presets/accelerate/cpu-2-processes.yaml"), "--main_process_port", str(free_port())]
     raise ValueError(f"launcher must be 'torchrun' or 'accelerate', got {launcher!r}")

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from tiny import classifier, lm, text_config
+from tiny import classifier, lm, text_config, vision_config
 
 
 @pytest.mark.parametrize(
@@ -19,13 +19,26 @@ from tiny import classifier, lm, text_config
         (dict(plap_formulation="implicit"), "plap_formulation"),
         (dict(plap_backend="cuda-magic"), "plap_backend"),
         (dict(hidden_size=30), "divisible"),
-        (dict(image_size=30, patch_size=16), "multiple of patch_size"),
         (dict(num_hidden_layers=0), "num_hidden_layers"),
+        (dict(vocab_size=0), "vocab_size"),
     ],
 )
 def test_config_validation(kwargs, message):
     with pytest.raises(ValueError, match=message):
         text_config(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(image_size=30, patch_size=16), "multiple of patch_size"),
+        (dict(num_channels=0), "num_channels"),
+        (dict(plap_p=[1.5, 2.5]), "one value per head"),
+    ],
+)
+def test_vision_config_validation(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        vision_config(**kwargs)
 
 
 @pytest.mark.parametrize(

@@ -47,7 +47,7 @@ def test_incompatible_config_raises_a_clear_error(checkpoint, change, message):
 
 
 def test_partial_checkpoint_is_never_resumed_from(tmp_path, caplog):
-    from plat_train.common import last_complete_checkpoint
+    from plat_train.runs import last_complete_checkpoint
 
     for step, files in ((2, ("config.json", "trainer_state.json")), (4, ("config.json",)), (10, ())):
         folder = tmp_path / f"checkpoint-{step}"

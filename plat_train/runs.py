@@ -1,42 +1,17 @@
-"""Argument parsing, preset lookup, logging, checkpoint detection, metric files and offline-error messages
-shared by the training scripts."""
+"""What every training job does around its Trainer: logging like the transformers examples, resuming from the
+last complete checkpoint, recording metrics, and clear messages when the Hub is needed but unreachable."""
 
 import contextlib
 import logging
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import datasets
 import huggingface_hub
 import transformers
-from transformers import TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-PRESET_DIR = Path(__file__).resolve().parent.parent / "configuration"
-
 logger = logging.getLogger(__name__)
-
-
-def parse_args(parser, args=None):
-    """Parse command-line flags, or a single .json / .yaml / .yml file holding them all."""
-    args = sys.argv[1:] if args is None else list(args)
-    if len(args) == 1 and args[0].endswith(".json"):
-        return parser.parse_json_file(json_file=Path(args[0]).resolve())
-    if len(args) == 1 and args[0].endswith((".yaml", ".yml")):
-        return parser.parse_yaml_file(yaml_file=Path(args[0]).resolve())
-    return parser.parse_args_into_dataclasses(args=args)
-
-
-def resolve_config_name(name):
-    """A preset's short name (``plat-ptb-tiny``) or any path: the path that ``from_pretrained`` should read."""
-    if name is None or Path(name).exists():
-        return name
-    preset = PRESET_DIR / f"{name.removesuffix('.json')}.json"
-    if preset.is_file():
-        return str(preset)
-    known = sorted(p.stem for p in PRESET_DIR.glob("*.json"))
-    raise ValueError(f"--config_name {name!r} is neither a path nor a preset; presets: {', '.join(known)}")
 
 
 def setup_logging(training_args):
@@ -55,6 +30,10 @@ def setup_logging(training_args):
     transformers.utils.logging.set_verbosity(log_level)
     transformers.utils.logging.enable_default_handler()
     transformers.utils.logging.enable_explicit_format()
+    if training_args.disable_tqdm:  # Trainer's own bars follow the flag; these are the libraries' bars
+        datasets.disable_progress_bars()
+        huggingface_hub.utils.disable_progress_bars()
+        transformers.utils.logging.disable_progress_bar()
 
 
 class HubUnreachableError(ConnectionError):
@@ -81,19 +60,6 @@ def explain_offline_errors(what, local_alternative):
         ) from error
 
 
-@dataclass
-class PlatTrainingArguments(TrainingArguments):
-    """``TrainingArguments`` plus ``--overwrite_output_dir``, which transformers 5 removed but the examples'
-    resume-or-refuse logic for an existing ``output_dir`` needs (see ``detect_last_checkpoint``)."""
-
-    overwrite_output_dir: bool = field(
-        default=False,
-        metadata={
-            "help": "Train from scratch into a non-empty output_dir instead of resuming from its last checkpoint."
-        },
-    )
-
-
 def last_complete_checkpoint(output_dir):
     """The newest ``checkpoint-N`` folder in ``output_dir`` that Trainer finished writing, or None.
 
@@ -117,7 +83,7 @@ def detect_last_checkpoint(training_args):
 
     An explicit ``--resume_from_checkpoint`` wins. Otherwise, when training into an ``output_dir`` that
     already holds ``checkpoint-*`` folders, the newest one is returned (and logged) unless
-    ``--overwrite_output_dir`` (a ``PlatTrainingArguments`` field; plain ``TrainingArguments`` count as
+    ``--overwrite_output_dir`` (an ``arguments.PlatTrainingArguments`` field; plain ``TrainingArguments`` count as
     False); a non-empty ``output_dir`` with no checkpoint raises, so that a finished run is not silently
     overwritten. Returns None when training starts from scratch.
     """
@@ -145,7 +111,14 @@ def record_metrics(trainer, split, metrics):
     """Log ``metrics`` and merge them into ``<output_dir>/{split}_results.json`` and ``all_results.json``.
 
     Keys should already carry the split's prefix (``eval_``, ``test_``, ``train_``) so that
-    ``all_results.json`` keeps every split apart; only the main process writes.
+    ``all_results.json`` keeps every split apart; only the main process writes. Numbers that Trainer has not
+    logged itself (perplexities, sliding-window and unigram metrics, EMA results) go through ``trainer.log``, so
+    that they reach the trackers of ``--report_to`` (TensorBoard, W&B, ...) too.
     """
+    logged = trainer.state.log_history[-1] if trainer.state.log_history else {}
+    new = {name: value for name, value in metrics.items()
+           if name not in logged and isinstance(value, (int, float)) and not isinstance(value, bool)}
+    if new:
+        trainer.log(new)
     trainer.log_metrics(split, metrics)
     trainer.save_metrics(split, metrics)

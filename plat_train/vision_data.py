@@ -1,5 +1,5 @@
-"""Image classification data for run_image_classification.py: Fashion-MNIST from its idx files (the offline
-default), class-per-subfolder image folders, or a Hub dataset. Every source becomes a DatasetDict whose splits
+"""Image classification data: Fashion-MNIST from its idx files (the offline default), class-per-subfolder image
+folders, or a Hub dataset. Every source becomes a DatasetDict whose splits
 have an ``image`` column (PIL images) and a ``label`` ClassLabel column."""
 
 import gzip
@@ -22,18 +22,27 @@ FASHION_MNIST_MEAN, FASHION_MNIST_STD = [0.2860], [0.3530]
 IMAGE_EXTENSIONS = {".bmp", ".gif", ".jpeg", ".jpg", ".png", ".ppm", ".tif", ".tiff", ".webp"}
 
 
-def _read_idx(path, header_size):
+def read_idx(path, count=None):
+    """The array of an idx gzip file: (N, rows, cols) uint8 images or (N,) uint8 labels; the first ``count`` only
+    if given. The header holds the number of dimensions (low byte of the magic number) and each size."""
     with gzip.open(path, "rb") as handle:
-        return np.frombuffer(handle.read(), dtype=np.uint8, offset=header_size)
+        dims = int(np.frombuffer(handle.read(4), dtype=">u4")[0]) & 0xFF
+        shape = [int(size) for size in np.frombuffer(handle.read(4 * dims), dtype=">u4")]
+        if count is not None:
+            shape[0] = min(count, shape[0])
+        return np.frombuffer(handle.read(int(np.prod(shape))), dtype=np.uint8).reshape(shape)
+
+
+def fashion_mnist_files(root=FASHION_MNIST_DIR):
+    """{split: (images path, labels path)} of the Fashion-MNIST idx files under ``root``."""
+    root = Path(root)
+    return {split: (root / f"{prefix}-images-idx3-ubyte.gz", root / f"{prefix}-labels-idx1-ubyte.gz")
+            for split, prefix in (("train", "train"), ("test", "t10k"))}
 
 
 def load_fashion_mnist(root=FASHION_MNIST_DIR):
     """The 60k train / 10k test Fashion-MNIST splits read from the idx gzip files of the Debian package."""
-    root = Path(root)
-    files = {
-        split: (root / f"{prefix}-images-idx3-ubyte.gz", root / f"{prefix}-labels-idx1-ubyte.gz")
-        for split, prefix in (("train", "train"), ("test", "t10k"))
-    }
+    files = fashion_mnist_files(root)
     missing = [str(path) for pair in files.values() for path in pair if not path.is_file()]
     if missing:
         raise FileNotFoundError(
@@ -45,10 +54,9 @@ def load_fashion_mnist(root=FASHION_MNIST_DIR):
     )
     splits = {}
     for split, (images_path, labels_path) in files.items():
-        images = _read_idx(images_path, header_size=16).reshape(-1, 28, 28)  # (N, 28, 28) uint8
-        labels = _read_idx(labels_path, header_size=8)
+        images = read_idx(images_path)  # (N, 28, 28) uint8
         splits[split] = datasets.Dataset.from_dict(
-            {"image": list(images), "label": labels.tolist()}, features=features, split=split
+            {"image": list(images), "label": read_idx(labels_path).tolist()}, features=features, split=split
         )
     return datasets.DatasetDict(splits)
 

@@ -18,7 +18,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from .common import explain_offline_errors
+from .runs import explain_offline_errors
 
 logger = logging.getLogger(__name__)
 
@@ -58,16 +58,20 @@ def _loader_for_files(data_files):
 
 
 def load_raw_splits(dataset_name=None, dataset_config_name=None, train_file=None, validation_file=None,
-                    test_file=None, validation_split_percentage=5, streaming=False, cache_dir=None):
+                    test_file=None, validation_split_percentage=5, streaming=False, cache_dir=None, token=None,
+                    streaming_validation_texts=1000):
     """Train / validation / test text splits, each with a single ``text`` column.
 
     Sources, first match wins: a Hub dataset (``dataset_name``), local files (.txt: one text per line;
     .json/.jsonl/.csv: the ``text`` column, or the first string column), or the embedded Penn Treebank. A missing
-    validation split is carved from the end of the training split (``validation_split_percentage``).
+    validation split is carved from the *end* of the training split (``validation_split_percentage``; transformers'
+    run_clm.py takes the first percent instead), or, when streaming, from the first ``streaming_validation_texts``
+    texts of the stream, which training then skips.
     """
     if dataset_name is not None:
         with explain_offline_errors(f"dataset {dataset_name!r}", "--train_file / --validation_file / --test_file"):
-            raw = datasets.load_dataset(dataset_name, dataset_config_name, cache_dir=cache_dir, streaming=streaming)
+            raw = datasets.load_dataset(dataset_name, dataset_config_name, cache_dir=cache_dir, streaming=streaming,
+                                        token=token)
     elif train_file is not None or validation_file is not None or test_file is not None:
         data_files = {split: path for split, path in zip(SPLITS, (train_file, validation_file, test_file)) if path}
         for path in data_files.values():
@@ -81,7 +85,11 @@ def load_raw_splits(dataset_name=None, dataset_config_name=None, train_file=None
         if streaming:
             raw = datasets.IterableDatasetDict({split: ds.to_iterable_dataset() for split, ds in raw.items()})
     raw = {_canonical_split(name): ds for name, ds in raw.items()}
-    if "validation" not in raw and "train" in raw and not streaming and validation_split_percentage:
+    if "validation" not in raw and "train" in raw and streaming and streaming_validation_texts:
+        logger.info(f"No validation split: holding out the first {streaming_validation_texts} streamed training texts")
+        raw["validation"] = raw["train"].take(streaming_validation_texts)
+        raw["train"] = raw["train"].skip(streaming_validation_texts)
+    elif "validation" not in raw and "train" in raw and not streaming and validation_split_percentage:
         logger.info(f"No validation split: holding out the last {validation_split_percentage}% of the training texts")
         train = raw["train"]
         num_validation = max(1, len(train) * validation_split_percentage // 100)

@@ -26,22 +26,23 @@ For a batch of real inputs, every attention layer l of a model is measured on th
 
 Every number is a batch mean. Command line::
 
-    python -m plat_train.diagnostics --model softmax=runs/softmax --model plat=runs/plat --task image --out diag/
+    python experiments/diagnostics.py --model softmax=runs/softmax --model plat=runs/plat --task image --out diag/
 """
 
 import argparse
-import gzip
 import json
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from modeling_plat import PlatForCausalLM, PlatForImageClassification
-from modeling_plat.convert import convert_to_plat
 from modeling_plat.plap_attention import plap_attention_weights, squared_value_distances
+from plat_train.arguments import ModelArguments
+from plat_train.model_setup import build_config, load_model
+from plat_train.vision_data import FASHION_MNIST_MEAN, FASHION_MNIST_STD, fashion_mnist_files, read_idx
 
-FASHION_MNIST_TEST_IMAGES = "/usr/share/datasets/fashion-mnist/t10k-images-idx3-ubyte.gz"
+FASHION_MNIST_TEST_IMAGES = str(fashion_mnist_files()["test"][0])
+TASKS = {"text": "text-generation", "image": "image-classification"}
 PER_HEAD_METRICS = ("energy", "energy_after_step", "attention_hc_dc_gain", "lambda_max_softmax",
                     "lambda_max_effective")
 
@@ -165,15 +166,13 @@ def diagnose(model, inputs):
 # --- Loading models and inputs -----------------------------------------------------------------------------
 
 
-def load_model(path, task):
+def load_checkpoint(path, task):
     """A p-LaT checkpoint, or a transformers GPT-2 / ViT one converted with p = 2 (its softmax baseline)."""
     from transformers import AutoConfig
 
-    model_type = AutoConfig.from_pretrained(path, trust_remote_code=True).model_type
-    if model_type != "plat":
-        return convert_to_plat(path, plap_p=2.0).eval()
-    model_class = PlatForCausalLM if task == "text" else PlatForImageClassification
-    return model_class.from_pretrained(path).eval()
+    overrides = None if AutoConfig.from_pretrained(path).model_type.startswith("plat") else "plap_p=2.0"
+    model_args = ModelArguments(model_name_or_path=str(path), config_overrides=overrides)
+    return load_model(model_args, build_config(model_args, TASKS[task]), TASKS[task]).eval()
 
 
 def text_batch(model_path, config, inputs_file, batch_size, block_size):
@@ -181,12 +180,12 @@ def text_batch(model_path, config, inputs_file, batch_size, block_size):
     by default, the start of the Penn Treebank validation split, tokenised by the checkpoint's tokenizer."""
     from transformers import AutoTokenizer
 
-    from plat_train import lm_data
+    from plat_train import text_data
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     block_size = min(block_size, config.max_position_embeddings)
     if inputs_file is None:
-        texts = lm_data.load_penn_treebank()["validation"]["text"]
+        texts = text_data.load_penn_treebank()["validation"]["text"]
     else:
         texts = Path(inputs_file).read_text().splitlines()
     eos = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
@@ -201,25 +200,15 @@ def text_batch(model_path, config, inputs_file, batch_size, block_size):
     return {"input_ids": torch.tensor(ids[:needed]).view(batch_size, block_size), "use_cache": False}
 
 
-def read_idx_images(path, count):
-    """The first ``count`` images of an idx3 gzip file (Fashion-MNIST layout) as (count, rows, cols) uint8."""
-    with gzip.open(path, "rb") as handle:
-        header = np.frombuffer(handle.read(16), dtype=">u4")
-        rows, cols = int(header[2]), int(header[3])
-        return np.frombuffer(handle.read(count * rows * cols), dtype=np.uint8).reshape(-1, rows, cols)
-
-
 def image_batch(model_path, config, inputs_file, batch_size):
     """The first ``batch_size`` test images, preprocessed by the checkpoint's image processor when it has one,
     else resized to the model's size and normalised with Fashion-MNIST's statistics."""
     from PIL import Image
     from transformers import AutoImageProcessor
 
-    from plat_train.image_data import FASHION_MNIST_MEAN, FASHION_MNIST_STD
-
     mode = "L" if config.num_channels == 1 else "RGB"
     images = [Image.fromarray(a).convert(mode)
-              for a in read_idx_images(inputs_file or FASHION_MNIST_TEST_IMAGES, batch_size)]
+              for a in read_idx(inputs_file or FASHION_MNIST_TEST_IMAGES, batch_size)]
     try:
         processor = AutoImageProcessor.from_pretrained(model_path, trust_remote_code=True)
     except (OSError, ValueError):
@@ -335,7 +324,7 @@ def run(models, task, out_dir, inputs_file=None, batch_size=16, block_size=128):
     out_dir.mkdir(parents=True, exist_ok=True)
     results = {}
     for name, path in models.items():
-        model = load_model(path, task)
+        model = load_checkpoint(path, task)
         if task == "text":
             batch = text_batch(path, model.config, inputs_file, batch_size, block_size)
         else:
@@ -354,7 +343,7 @@ def run(models, task, out_dir, inputs_file=None, batch_size=16, block_size=128):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m plat_train.diagnostics", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python experiments/diagnostics.py", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", action="append", required=True, metavar="[NAME=]PATH",
                         help="a saved p-LaT checkpoint, or a GPT-2 / ViT one (measured as p = 2); repeat to "

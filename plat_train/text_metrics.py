@@ -75,7 +75,7 @@ def _score_windows(model, stream, windows, device, autocast):
 
 
 def sliding_window_metrics(model, stream, context_length, stride, batch_size=1, accelerator=None,
-                           autocast=contextlib.nullcontext, desc="Sliding-window evaluation"):
+                           autocast=contextlib.nullcontext, desc="Sliding-window evaluation", disable_tqdm=False):
     """Perplexity, accuracy, loss and the number of scored tokens of ``model`` on a 1-D token ``stream``.
 
     Windows are batched ``batch_size`` at a time (the first window, which scores more tokens, alone) and,
@@ -88,7 +88,7 @@ def sliding_window_metrics(model, stream, context_length, stride, batch_size=1, 
     totals = torch.zeros(3, dtype=torch.float64, device=device)
     was_training = model.training
     model.eval()
-    for windows in tqdm(batches[rank::world], desc=desc, disable=rank != 0):
+    for windows in tqdm(batches[rank::world], desc=desc, disable=disable_tqdm or rank != 0):
         totals += _score_windows(model, stream, windows, device, autocast)
     model.train(was_training)
     if world > 1:

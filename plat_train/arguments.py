@@ -1,0 +1,103 @@
+"""Command-line arguments shared by the training jobs, and how they are read: flags, or a file of them.
+
+Each job adds its own data (and model) arguments to these; ``parse_args`` reads them all.
+"""
+
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+from transformers import TrainingArguments
+
+from .presets import resolve_preset
+
+ARGUMENT_FILES = (".json", ".yaml", ".yml")
+
+
+@dataclass
+class ModelArguments:
+    """Which model a job starts from: a preset or config, a saved model (p-LaT or a stock one to convert)."""
+
+    config_name: str | None = field(
+        default=None,
+        metadata={"help": "A model preset's short name (e.g. plat-ptb-tiny; `python -m plat_train.presets` lists "
+                          "them) or a config path, to train from scratch."},
+    )
+    model_name_or_path: str | None = field(
+        default=None,
+        metadata={"help": "A saved model (folder or Hub id) to fine-tune or evaluate: a p-LaT checkpoint, or a "
+                          "transformers GPT-2 / ViT / DeiT one, converted to p-LaT on load."},
+    )
+    config_overrides: str | None = field(
+        default=None,
+        metadata={"help": "Comma-separated config fields to override, values in JSON (or YAML), e.g. "
+                          "'plap_p=[1.5,1.5,2.5],hidden_dropout_prob=0.1,plap_formulation=euler'. Unknown fields "
+                          "are an error."},
+    )
+    cache_dir: str | None = field(default=None, metadata={"help": "Where to cache Hub models and datasets."})
+    model_revision: str = field(default="main", metadata={"help": "Model version (branch, tag or commit)."})
+    token: str | None = field(default=None, metadata={"help": "Hub token for private models or datasets."})
+    trust_remote_code: bool = field(
+        default=False, metadata={"help": "Allow code from the Hub (models, datasets) to run on this machine."}
+    )
+    dtype: str | None = field(
+        default=None,
+        metadata={"help": "Load a saved model in this dtype ('auto', 'bfloat16', 'float16', 'float32'); "
+                          "mixed-precision training is --bf16 / --fp16.",
+                  "choices": ["auto", "bfloat16", "float16", "float32"]},
+    )
+
+    def hub_kwargs(self):
+        """The keyword arguments every ``from_pretrained`` of this job takes."""
+        return {"cache_dir": self.cache_dir, "revision": self.model_revision, "token": self.token,
+                "trust_remote_code": self.trust_remote_code}
+
+
+@dataclass
+class PlatTrainingArguments(TrainingArguments):
+    """``TrainingArguments`` plus ``--overwrite_output_dir``, which transformers 5 removed but the examples'
+    resume-or-refuse logic for an existing ``output_dir`` needs (see ``runs.detect_last_checkpoint``)."""
+
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={
+            "help": "Train from scratch into a non-empty output_dir instead of resuming from its last checkpoint."
+        },
+    )
+
+
+def file_flags(path):
+    """The arguments of a .json / .yaml file as command-line flags, so that flags given after it override them."""
+    text = Path(path).read_text()
+    values = json.loads(text) if str(path).endswith(".json") else yaml.safe_load(text)
+    if not isinstance(values, dict):
+        raise ValueError(f"{path} must hold a mapping of argument names to values")
+    flags = []
+    for name, value in values.items():
+        if value is None:
+            continue
+        flags.append(f"--{name}")
+        if isinstance(value, (list, tuple)):
+            flags += [str(item) for item in value]
+        elif isinstance(value, dict):
+            flags.append(json.dumps(value))
+        else:
+            flags.append(str(value).lower() if isinstance(value, bool) else str(value))
+    return flags
+
+
+def parse_args(parser, args=None):
+    """Parse flags, or a .json / .yaml file of them followed by flags that override it.
+
+    The file is a path or the name of a shipped training recipe (``plat-ptb-tiny.yaml``).
+    """
+    args = sys.argv[1:] if args is None else list(args)
+    if args and args[0].endswith(ARGUMENT_FILES):
+        path = args[0] if Path(args[0]).exists() or args[0].endswith(".json") else resolve_preset(
+            args[0].removesuffix(".yml"), ".yaml", "The arguments file")
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"Arguments file not found: {path}")
+        args = file_flags(Path(path).resolve()) + args[1:]
+    return parser.parse_args_into_dataclasses(args=args)

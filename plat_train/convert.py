@@ -1,0 +1,49 @@
+"""Command line: convert a transformers GPT-2 / ViT / DeiT checkpoint to p-LaT and save it, with its tokenizer or
+image processor and a model card. The library function is ``modeling_plat.convert.convert_to_plat``.
+
+    plat-convert --source facebook/deit-tiny-patch16-224 --output plat-deit-tiny-init \
+        --config_overrides "plap_p=[1.5,1.5,2.5]"
+"""
+
+import argparse
+import sys
+
+from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer
+
+from modeling_plat.convert import convert_to_plat, plat_config_for
+
+from .arguments import ModelArguments
+from .model_cards import current_command, write_model_card
+from .model_setup import build_config
+
+# The job whose config a source family converts to, and what carries its preprocessing.
+FAMILIES = {"gpt2": ("text-generation", AutoTokenizer), "vit": ("image-classification", AutoImageProcessor)}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="plat-convert", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--source", required=True, help="path or hub id of a GPT-2 or ViT / DeiT checkpoint")
+    parser.add_argument("--output", required=True, help="folder to save the p-LaT checkpoint in")
+    parser.add_argument("--config_overrides", default=None,
+                        help="p-LaT config fields, e.g. 'plap_p=[1.5,1.5,2.5],plap_formulation=euler' "
+                             "(default: the paper's head mix, eq. 12)")
+    args = parser.parse_args(argv)
+
+    model_type = AutoConfig.from_pretrained(args.source).model_type
+    if model_type not in FAMILIES:
+        plat_config_for(AutoConfig.from_pretrained(args.source))  # raises the error naming what converts
+    task, processor_class = FAMILIES[model_type]
+    config = build_config(ModelArguments(model_name_or_path=args.source, config_overrides=args.config_overrides), task)
+    model = convert_to_plat(args.source, config=config)
+    model.save_pretrained(args.output)
+    try:
+        processor_class.from_pretrained(args.source).save_pretrained(args.output)
+    except (OSError, ValueError) as error:
+        print(f"No {processor_class.__name__[4:]} copied from {args.source}: {error}", file=sys.stderr)
+    write_model_card(args.output, model.config, task, base_model=args.source, command=current_command())
+    print(f"Saved p-LaT {type(model).__name__} (p per head: {model.config.p_per_layer()[0]}) to {args.output}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,123 @@
+"""The model a job starts from: its config and its weights.
+
+The config comes from a preset or config path (``--config_name``), a saved model (``--model_name_or_path``)
+or the family's defaults, with ``--config_overrides`` applied on top; the weights are new, a saved p-LaT
+model's, or a stock transformers GPT-2 / ViT / DeiT checkpoint's, converted to p-LaT on load.
+"""
+
+import json
+import logging
+
+import yaml
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForImageClassification,
+)
+
+from modeling_plat import PlatConfig, PlatConfigBase, PlatVisionConfig
+from modeling_plat.convert import convert_to_plat, convertible, plat_config_for
+
+from .presets import resolve_config_name
+
+logger = logging.getLogger(__name__)
+
+# What each job trains: the Auto class that loads a saved model of the task, and the p-LaT config class.
+TASKS = {
+    "text-generation": (AutoModelForCausalLM, PlatConfig),
+    "image-classification": (AutoModelForImageClassification, PlatVisionConfig),
+}
+
+
+def parse_config_overrides(text):
+    """'a=1,b=[1.5,2.5],c=gelu' -> {'a': 1, 'b': [1.5, 2.5], 'c': 'gelu'}.
+
+    Commas inside brackets or braces do not split; each value is read as JSON (numbers such as 1e-2,
+    lists, true/false, null), else as YAML (bare words such as gelu or euler).
+    """
+    pieces, depth, start = [], 0, 0
+    for i, char in enumerate(text + ","):
+        depth += {"[": 1, "{": 1, "]": -1, "}": -1}.get(char, 0)
+        if char == "," and depth == 0:
+            pieces.append(text[start:i])
+            start = i + 1
+    overrides = {}
+    for piece in filter(str.strip, pieces):
+        key, sep, value = piece.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--config_overrides entries must look like key=value; got {piece!r}")
+        try:
+            overrides[key.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            overrides[key.strip()] = yaml.safe_load(value)
+    return overrides
+
+
+def is_plat(config):
+    return isinstance(config, PlatConfigBase)
+
+
+def build_config(model_args, task, default_config_name=None, **fields):
+    """The p-LaT config a job trains, with ``--config_overrides`` and ``fields`` (e.g. num_labels) applied.
+
+    Source, first match wins: ``--config_name`` (a preset or path), ``--model_name_or_path`` (a saved
+    p-LaT model's config, or the p-LaT equivalent of a stock GPT-2 / ViT one), ``default_config_name``, or
+    the task's config class with its defaults. Unknown override fields are an error.
+    """
+    config_class = TASKS[task][1]
+    overrides = parse_config_overrides(model_args.config_overrides or "")
+    source = model_args.config_name or model_args.model_name_or_path or default_config_name
+    if source is None:
+        # A fresh config: defaults that depend on overridden fields (plap_p on the head count,
+        # intermediate_size on hidden_size) follow them.
+        _refuse_unknown(overrides, config_class())
+        config = config_class(**overrides)
+    else:
+        path = resolve_config_name(source) if source != model_args.model_name_or_path else source
+        config = AutoConfig.from_pretrained(path, **model_args.hub_kwargs())
+        if convertible(config):
+            config = plat_config_for(config)
+        if not is_plat(config):
+            raise ValueError(
+                f"{source} is a {config.model_type!r} model: give a p-LaT one, or a GPT-2 or ViT checkpoint to convert"
+            )
+        if not isinstance(config, config_class):
+            raise ValueError(f"{source} is a {type(config).__name__}, not the {config_class.__name__} that {task} needs")
+        _refuse_unknown(overrides, config)
+        for key, value in overrides.items():
+            setattr(config, key, value)
+    if overrides:
+        logger.info(f"Overriding config: {overrides}")
+    config.update(fields)
+    config.validate_plat()
+    return config
+
+
+def _refuse_unknown(overrides, config):
+    unknown = sorted(set(overrides) - set(config.to_dict()))
+    if unknown:
+        raise ValueError(f"--config_overrides names fields that {type(config).__name__} does not have: {unknown}")
+
+
+def load_model(model_args, config, task, **load_kwargs):
+    """The model to train: ``--model_name_or_path``'s weights (converted if stock) in ``config``, or a new model.
+
+    ``load_kwargs`` go to ``from_pretrained`` (e.g. ``ignore_mismatched_sizes``; for a stock checkpoint also
+    ``num_labels`` / ``id2label``, so that transformers resizes its head before the conversion).
+    """
+    auto_class = TASKS[task][0]
+    if model_args.model_name_or_path is None:
+        model = auto_class.from_config(config)
+        size = sum(p.numel() for p in model.parameters())
+        logger.info(f"Training a new {type(model).__name__} from scratch: {size / 1e6:.2f}M parameters")
+        return model
+    hub_kwargs = model_args.hub_kwargs()
+    if model_args.dtype is not None:
+        hub_kwargs["dtype"] = model_args.dtype
+    source_config = AutoConfig.from_pretrained(model_args.model_name_or_path, **model_args.hub_kwargs())
+    if not convertible(source_config):
+        return auto_class.from_pretrained(model_args.model_name_or_path, config=config, **hub_kwargs, **load_kwargs)
+    source = auto_class.from_pretrained(model_args.model_name_or_path, **hub_kwargs, **load_kwargs)
+    logger.info(f"Converting {type(source).__name__} from {model_args.model_name_or_path} to p-LaT "
+                f"(p per head: {config.p_per_layer()[0]})")
+    return convert_to_plat(source, config=config)

@@ -1,0 +1,90 @@
+"""The Trainer subclasses of the jobs: the p-LaT model card on save and push (``PlatModelCardMixin``), the
+language-model trainer, and the DeiT-style image trainer (soft-target loss with Mixup/CutMix and label
+smoothing, DeiT's weight-decay exclusions)."""
+
+import json
+import random
+from pathlib import Path
+
+import torch
+from torch.nn import functional as F
+from transformers import GenerationMixin, Trainer
+from transformers.modelcard import extract_hyperparameters_from_trainer
+
+from modeling_plat import PlatConfigBase
+
+from .model_cards import current_command, write_model_card
+
+# Parameters without weight decay besides biases and norms (which Trainer already spares): DeiT's
+# ``no_weight_decay`` set, learned tokens and positions.
+NO_DECAY_NAME_PARTS = ("cls_token", "position_embeddings")
+
+
+class PlatModelCardMixin:
+    """Trainer mixin: the README.md that ``save``/``push_to_hub`` produce is the p-LaT model card.
+
+    Trainer calls ``create_model_card`` from ``push_to_hub`` (with the ``dataset``/``finetuned_from`` keywords
+    the jobs pass); the card takes its metrics from ``all_results.json`` and its hyperparameters from the
+    Trainer's arguments. Models that are not p-LaT keep Trainer's own card.
+    """
+
+    def create_model_card(self, dataset=None, finetuned_from=None, license=None, **kwargs):
+        model = self.accelerator.unwrap_model(self.model)
+        if not isinstance(model.config, PlatConfigBase):
+            return super().create_model_card(dataset=dataset, finetuned_from=finetuned_from, license=license,
+                                              **kwargs)
+        if not self.is_world_process_zero():
+            return None
+        results = Path(self.args.output_dir) / "all_results.json"
+        metrics = json.loads(results.read_text()) if results.exists() else None
+        # A local folder means nothing on the Hub: only hub ids become base_model.
+        base_model = finetuned_from if finetuned_from and not Path(finetuned_from).exists() else None
+        task = "text-generation" if isinstance(model, GenerationMixin) else "image-classification"
+        model_id = self.hub_model_id if self.args.push_to_hub else None
+        extra = {"license": license} if license else {}
+        return write_model_card(self.args.output_dir, model.config, task, model_id=model_id, metrics=metrics,
+                                dataset=dataset, command=current_command(), base_model=base_model,
+                                hyperparameters=extract_hyperparameters_from_trainer(self), **extra)
+
+
+class PlatTrainer(PlatModelCardMixin, Trainer):
+    """Trainer whose saved and pushed model card is the p-LaT one."""
+
+
+class ImageClassificationTrainer(PlatTrainer):
+    """Trainer whose training loss is cross-entropy against soft targets.
+
+    The model's own loss reads float labels as multi-label BCE; here, while training, Mixup/CutMix (when
+    given) turns class indices into mixed one-hot targets and ``label_smoothing_factor`` smooths them, so
+    ``F.cross_entropy`` with probability targets is the right loss. Evaluation uses the hard labels and
+    plain cross-entropy, so eval loss and accuracy are comparable across recipes. Its model card is the
+    p-LaT one (``PlatModelCardMixin``).
+    """
+
+    # The loss is a per-batch mean: let Trainer divide it over gradient accumulation steps.
+    loss_is_scaled_for_ga = False
+
+    def __init__(self, *args, mixup=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.mixup = mixup
+        # Offset by rank so that processes mix differently; seeded so a run repeats.
+        self.mixup_rng = random.Random(self.args.seed + self.args.process_index)
+        self.model_accepts_loss_kwargs = False
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        labels = inputs["labels"]
+        pixel_values = inputs["pixel_values"]
+        smoothing = 0.0
+        if model.training:
+            smoothing = self.args.label_smoothing_factor
+            if self.mixup is not None:
+                pixel_values, labels = self.mixup(pixel_values, labels, self.mixup_rng)
+        outputs = model(pixel_values=pixel_values)
+        loss = F.cross_entropy(outputs.logits.float(), labels, label_smoothing=smoothing)
+        return (loss, outputs) if return_outputs else loss
+
+    def get_decay_parameter_names(self, model):
+        return [
+            name for name in super().get_decay_parameter_names(model)
+            if not any(part in name for part in NO_DECAY_NAME_PARTS)
+        ]
