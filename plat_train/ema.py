@@ -2,7 +2,7 @@
 
 A fixed decay d keeps d^t of the initial (random) weights after t steps: with DeiT's 0.99996 that is 93% after
 the 1,688 steps of a 4-epoch Fashion-MNIST run. With warmup (as timm's ModelEmaV3) step t uses
-``min(decay, 1 - (1 + t) ** -warmup_power)``, so early steps average over a short window that widens as
+``min(decay, 1 - (1 + t) ** -WARMUP_POWER)``, so early steps average over a short window that widens as
 training goes on, and the average forgets the initialisation.
 """
 
@@ -14,13 +14,14 @@ from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 EMA_WEIGHTS_NAME = "model_ema.safetensors"
+# 3/4 suits runs of thousands to ~100k steps (the decay reaches 0.999 after 10k steps); 2/3 is slower, for
+# runs of millions of steps.
+WARMUP_POWER = 0.75
 
 
-def ema_decay(step, decay, warmup_power=None):
+def ema_decay(step, decay, warmup=True):
     """The decay applied at optimizer step ``step`` (1-based): ``decay``, or its warmed-up value."""
-    if warmup_power is None:
-        return decay
-    return min(decay, 1.0 - (1.0 + step) ** -warmup_power)
+    return min(decay, 1.0 - (1.0 + step) ** -WARMUP_POWER) if warmup else decay
 
 
 class ModelEmaCallback(TrainerCallback):
@@ -31,9 +32,9 @@ class ModelEmaCallback(TrainerCallback):
     the averaged and the live weights (call it twice to swap back), for evaluating or saving the averaged model.
     """
 
-    def __init__(self, decay=0.99996, warmup_power=0.75, resume_from_checkpoint=None):
+    def __init__(self, decay=0.99996, warmup=True, resume_from_checkpoint=None):
         self.decay = decay
-        self.warmup_power = warmup_power
+        self.warmup = warmup
         self.resume_from_checkpoint = resume_from_checkpoint
         self.names = None
         self.shadow = None
@@ -53,7 +54,7 @@ class ModelEmaCallback(TrainerCallback):
 
     @torch.no_grad()
     def on_step_end(self, args, state, control, model=None, **kwargs):
-        weight = 1.0 - ema_decay(state.global_step, self.decay, self.warmup_power)
+        weight = 1.0 - ema_decay(state.global_step, self.decay, self.warmup)
         live = [tensor.float() for tensor in self._tracked(model)]
         torch._foreach_lerp_(self.shadow, live, weight)
 

@@ -91,10 +91,10 @@ class AugmentArguments:
     model_ema_decay: float = field(
         default=0.99996, metadata={"help": "EMA decay per optimizer step once warmed up (DeiT: 0.99996)."}
     )
-    model_ema_warmup_power: float | None = field(
-        default=0.75,
-        metadata={"help": "EMA warmup: step t decays by min(decay, 1 - (1 + t) ** -power), so that short runs forget "
-                          "the initial weights; pass none for DeiT's fixed decay."},
+    model_ema_warmup: bool = field(
+        default=True,
+        metadata={"help": "EMA warmup: step t decays by min(decay, 1 - (1 + t) ** -0.75), so that short runs forget "
+                          "the initial weights; false for DeiT's fixed decay."},
     )
 
 
@@ -258,7 +258,7 @@ def main(args=None):
                             aug_args.mixup_prob, aug_args.mixup_switch_prob)
     ema = None
     if aug_args.model_ema:
-        ema = ModelEmaCallback(aug_args.model_ema_decay, aug_args.model_ema_warmup_power,
+        ema = ModelEmaCallback(aug_args.model_ema_decay, aug_args.model_ema_warmup,
                                resume_from_checkpoint=last_checkpoint)
     trainer = ImageClassificationTrainer(
         model=model,

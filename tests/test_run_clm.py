@@ -15,9 +15,9 @@ import huggingface_hub
 import pytest
 import torch
 import yaml
-from tiny import lm, two_processes
+from tiny import lm, tensorboard_scalars, two_processes
 from torch.nn import functional as F
-from transformers import AutoModelForCausalLM, pipeline
+from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel, pipeline
 
 import modeling_plat  # noqa: F401
 from plat_train import causal_lm as run_clm
@@ -130,6 +130,98 @@ def test_streaming_text_files(text_files, tmp_path):
     assert trainer_step(output_dir) == 2
     assert metrics["eval_sliding_tokens"] == 4 * BLOCK - 1 and math.isfinite(metrics["test_perplexity"])
     assert "eval_unigram_perplexity" not in metrics
+
+
+def test_arguments_file_then_flags_that_override_it(text_files, tmp_path):
+    arguments = {"model_type": "plat", "config_overrides": TINY_MODEL[-1], "train_file": str(text_files["train"]),
+                 "tokenizer_type": "word", "do_train": True, "max_steps": 3, "per_device_train_batch_size": 4,
+                 "report_to": ["none"], "output_dir": str(tmp_path / "ignored")}
+    args_file = tmp_path / "args.json"
+    args_file.write_text(json.dumps(arguments))
+    run_clm.main([str(args_file), "--max_steps", "1", "--output_dir", str(tmp_path / "out")])
+    assert trainer_step(tmp_path / "out") == 1 and not (tmp_path / "ignored").exists()
+
+
+def test_streaming_eval_holds_out_the_start_of_the_stream(text_files, tmp_path):
+    output_dir = tmp_path / "out"
+    run_clm.main([*TINY_MODEL, "--train_file", str(text_files["train"]), *FAST, "--tokenizer_type", "word",
+                  "--streaming", "--streaming_validation_texts", "40", "--do_train", "--do_eval", "--max_steps", "2",
+                  "--output_dir", str(output_dir)])
+    metrics = results(output_dir)
+    assert math.isfinite(metrics["eval_perplexity"]) and "test_perplexity" not in metrics
+
+
+def test_do_predict_scores_the_test_split_only(text_files, tmp_path):
+    output_dir = tmp_path / "out"
+    run_clm.main([*TINY_MODEL, *files_args(text_files), *FAST, "--tokenizer_type", "word", "--do_predict",
+                  "--output_dir", str(output_dir)])
+    metrics = results(output_dir)
+    assert math.isfinite(metrics["test_perplexity"]) and 0 <= metrics["test_accuracy"] <= 1
+    assert not any(name.startswith("eval_") for name in metrics)
+    with pytest.raises(ValueError, match="--do_predict needs a test split"):
+        run_clm.main([*TINY_MODEL, "--train_file", str(text_files["train"]), *FAST, "--do_predict",
+                      "--output_dir", str(tmp_path / "no-test")])
+
+
+def test_metrics_reach_tensorboard(text_files, tmp_path):
+    output_dir = tmp_path / "out"
+    # In a process of its own, as a user runs it: the writer of the final evaluation flushes when the job ends.
+    args = [*TINY_MODEL, *files_args(text_files), *FAST, "--tokenizer_type", "word", "--do_train", "--do_eval",
+            "--max_steps", "2", "--eval_stride", "8", "--max_eval_samples", "4", "--output_dir", str(output_dir)]
+    args[args.index("--report_to") + 1] = "tensorboard"
+    result = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    scalars, metrics = tensorboard_scalars(output_dir / "runs"), results(output_dir)
+    for split in ("eval", "test"):
+        for name in ("perplexity", "sliding_perplexity", "unigram_perplexity", "accuracy"):
+            assert scalars[f"{split}/{name}"][-1] == pytest.approx(metrics[f"{split}_{name}"], rel=1e-6), (split, name)
+
+
+@pytest.fixture(scope="module")
+def gpt2_folder(text_files, tmp_path_factory):
+    """A transformers GPT-2 checkpoint with a word tokenizer of the test texts."""
+    folder = tmp_path_factory.mktemp("gpt2")
+    tokenizer = train_tokenizer(text_files["train"].read_text().splitlines(), "word", model_max_length=BLOCK)
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=len(tokenizer), n_positions=BLOCK, n_embd=16, n_layer=2, n_head=2,
+                        bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id)
+    GPT2LMHeadModel(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_stock_gpt2_is_converted_on_load_exactly(gpt2_folder, text_files, tmp_path):
+    output_dir = tmp_path / "out"
+    # A learning rate of 0 keeps the converted weights: with p = 2 the result is GPT-2 itself.
+    run_clm.main(["--model_name_or_path", str(gpt2_folder), "--config_overrides", "plap_p=2.0",
+                  *files_args(text_files), *FAST, "--do_train", "--max_steps", "1", "--learning_rate", "0",
+                  "--output_dir", str(output_dir)])
+    converted = AutoModelForCausalLM.from_pretrained(output_dir).eval()
+    assert type(converted).__name__ == "PlatForCausalLM" and converted.config.plap_p == 2.0
+    ids = torch.randint(0, converted.config.vocab_size, (2, BLOCK))
+    torch.testing.assert_close(converted(ids).logits, GPT2LMHeadModel.from_pretrained(gpt2_folder).eval()(ids).logits,
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_stock_gpt2_fine_tunes_with_the_p_mix_and_reloads(gpt2_folder, text_files, tmp_path):
+    output_dir = tmp_path / "out"
+    run_clm.main(["--model_name_or_path", str(gpt2_folder), "--config_overrides", "plap_p=[1.5,2.5]",
+                  *files_args(text_files), *FAST, "--do_train", "--do_eval", "--max_steps", "3",
+                  "--learning_rate", "1e-3", "--output_dir", str(output_dir)])
+    model = AutoModelForCausalLM.from_pretrained(output_dir)
+    assert model.config.model_type == "plat" and model.config.plap_p == [1.5, 2.5]
+    assert AutoTokenizer.from_pretrained(output_dir).get_vocab() == AutoTokenizer.from_pretrained(gpt2_folder).get_vocab()
+    assert math.isfinite(results(output_dir)["eval_perplexity"])
+
+
+def test_disable_tqdm_silences_every_progress_bar(gpt2_folder, text_files, tmp_path):
+    command = [sys.executable, str(SCRIPT), "--model_name_or_path", str(gpt2_folder), *files_args(text_files), *FAST,
+               "--do_train", "--do_eval", "--max_steps", "2", "--eval_stride", "8", "--max_eval_samples", "4",
+               "--output_dir", str(tmp_path / "out"), "--disable_tqdm", "true"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    output = result.stdout + result.stderr
+    assert "it/s]" not in output and "s/it]" not in output and "%|" not in output, output[-2000:]
 
 
 def test_penn_treebank_default_on_a_slice(tmp_path):

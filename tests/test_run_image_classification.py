@@ -8,18 +8,29 @@ import random
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 from PIL import Image
-from tiny import two_processes
-from transformers import AutoConfig, AutoModelForImageClassification, pipeline
+from tiny import tensorboard_scalars, two_processes
+from transformers import (
+    AutoConfig,
+    AutoImageProcessor,
+    AutoModelForImageClassification,
+    ViTConfig,
+    ViTForImageClassification,
+    ViTImageProcessor,
+    ViTModel,
+    pipeline,
+)
 
 import modeling_plat  # noqa: F401
 from plat_train import image_classification as run_image_classification
 from plat_train import vision_data
 from plat_train.arguments import PlatTrainingArguments
+from plat_train.ema import ModelEmaCallback, ema_decay
 from plat_train.model_setup import parse_config_overrides
 from plat_train.presets import resolve_config_name
 from plat_train.trainers import ImageClassificationTrainer
@@ -182,6 +193,109 @@ def test_resume_from_last_checkpoint(folders, tmp_path, caplog):
     assert "resuming training at" in caplog.text and "checkpoint-2" in caplog.text
     state = json.loads((output_dir / "trainer_state.json").read_text())
     assert state["global_step"] == 4
+
+
+def test_unknown_override_is_refused(folders, tmp_path):
+    with pytest.raises(ValueError, match="does not have.*hiden_size"):
+        run(folder_args(folders, tmp_path / "out", "--do_train", "--config_overrides", "hiden_size=32"))
+
+
+def test_do_predict_scores_the_test_split_only(tmp_path):
+    if not FASHION_MNIST_PRESENT:
+        pytest.skip(f"Fashion-MNIST absent: `{vision_data.FASHION_MNIST_INSTALL}`")
+    output_dir = tmp_path / "out"
+    run(["--output_dir", output_dir, "--do_predict", "--config_overrides", TINY_GRAY, "--max_eval_samples", 32,
+         "--per_device_eval_batch_size", 32, "--report_to", "none", "--disable_tqdm", "true"])
+    metrics = results(output_dir)
+    assert 0 <= metrics["test_top1_accuracy"] <= 1 and not any(name.startswith("eval_") for name in metrics)
+
+
+def test_metrics_reach_tensorboard(folders, tmp_path):
+    output_dir = tmp_path / "out"
+    args = [str(a) for a in folder_args(folders, output_dir, "--do_train", "--do_eval", "--max_steps", 2,
+                                        "--model_ema", "--save_strategy", "no")]
+    args[args.index("--report_to") + 1] = "tensorboard"
+    result = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    scalars, metrics = tensorboard_scalars(output_dir / "runs"), results(output_dir)
+    for name in ("top1_accuracy", "top5_accuracy"):
+        assert scalars[f"eval/{name}"][-1] == pytest.approx(metrics[f"eval_{name}"], rel=1e-6)
+        assert scalars[f"train/ema_eval_{name}"][-1] == pytest.approx(metrics[f"ema_eval_{name}"], rel=1e-6)
+
+
+@pytest.fixture(scope="module")
+def vit_folders(tmp_path_factory):
+    """transformers ViT checkpoints: a classifier of the three test classes, and a trunk alone."""
+    root = tmp_path_factory.mktemp("vit")
+    torch.manual_seed(0)
+    config = ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, image_size=16,
+                       patch_size=4, num_labels=3, id2label=dict(enumerate(CLASSES)),
+                       label2id={name: i for i, name in enumerate(CLASSES)})
+    processor = ViTImageProcessor(size={"height": 16, "width": 16}, image_mean=[0.5] * 3, image_std=[0.5] * 3)
+    for name, model_class in (("classifier", ViTForImageClassification), ("trunk", ViTModel)):
+        model_class(config).save_pretrained(root / name)
+        processor.save_pretrained(root / name)
+    return root / "classifier", root / "trunk"
+
+
+def stock_args(folders, source, output_dir, overrides, *extra):
+    train_dir, validation_dir = folders
+    return ["--model_name_or_path", source, "--config_overrides", overrides, "--train_dir", train_dir,
+            "--validation_dir", validation_dir, "--output_dir", output_dir, "--do_train", "--save_strategy", "no",
+            "--per_device_train_batch_size", 8, "--report_to", "none", "--disable_tqdm", "true", *extra]
+
+
+def test_stock_vit_is_converted_on_load_exactly(folders, vit_folders, tmp_path):
+    source, _ = vit_folders
+    output_dir = tmp_path / "out"
+    # A learning rate of 0 keeps the converted weights: with p = 2 the result computes what the ViT does.
+    run(stock_args(folders, source, output_dir, "plap_p=2.0", "--max_steps", 1, "--learning_rate", 0))
+    converted = AutoModelForImageClassification.from_pretrained(output_dir).eval()
+    assert type(converted).__name__ == "PlatForImageClassification" and converted.config.plap_p == 2.0
+    pixels = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(0))
+    expected = ViTForImageClassification.from_pretrained(source).eval()(pixels).logits
+    torch.testing.assert_close(converted(pixels).logits, expected, rtol=1e-5, atol=1e-5)
+    assert list(AutoImageProcessor.from_pretrained(output_dir).image_mean) == [0.5] * 3  # the source's statistics kept
+
+
+def test_stock_vit_trunk_fine_tunes_with_the_p_mix_and_a_new_classifier(folders, vit_folders, tmp_path):
+    _, trunk = vit_folders
+    output_dir = tmp_path / "out"
+    run(stock_args(folders, trunk, output_dir, "plap_p=[1.5,2.5],plap_formulation=euler", "--do_eval",
+                   "--max_steps", 2, "--learning_rate", 1e-3))
+    model = AutoModelForImageClassification.from_pretrained(output_dir)
+    assert model.config.model_type == "plat_vision" and model.config.plap_p == [1.5, 2.5]
+    assert model.config.plap_formulation == "euler" and model.config.id2label == dict(enumerate(CLASSES))
+    classifier = pipeline("image-classification", model=str(output_dir))
+    assert {p["label"] for p in classifier(draw("circle", (20, 20), np.random.default_rng(0)))} == set(CLASSES)
+
+
+def test_ema_decay_warms_up_and_forgets_the_initial_weights():
+    assert ema_decay(1, 0.99996, warmup=False) == 0.99996
+    assert ema_decay(1, 0.99996) == pytest.approx(1 - 2 ** -0.75)
+    assert ema_decay(10 ** 9, 0.99996) == 0.99996
+    # The share of the initial weights left after a 4-epoch Fashion-MNIST run (1,688 steps).
+    kept = lambda warmup: float(np.prod([ema_decay(t, 0.99996, warmup) for t in range(1, 1689)]))
+    assert kept(False) > 0.9 and kept(True) < 1e-6
+
+
+def test_ema_callback_follows_the_weights_with_warmup():
+    model = torch.nn.Linear(2, 1)
+    callback = ModelEmaCallback(decay=0.9)
+    state = SimpleNamespace(global_step=0)
+    callback.on_train_begin(None, state, None, model=model)
+    expected = model.weight.detach().clone()
+    for step in range(1, 6):
+        with torch.no_grad():
+            model.weight.fill_(float(step))
+        state.global_step = step
+        callback.on_step_end(None, state, None, model=model)
+        decay = min(0.9, 1 - (1 + step) ** -0.75)
+        expected = decay * expected + (1 - decay) * step
+    callback.swap_into(model)
+    torch.testing.assert_close(model.weight.detach(), expected)
+    callback.swap_into(model)
+    assert torch.equal(model.weight.detach(), torch.full_like(expected, 5.0))
 
 
 @pytest.mark.skipif(not FASHION_MNIST_PRESENT, reason=f"Fashion-MNIST absent: `{vision_data.FASHION_MNIST_INSTALL}`")

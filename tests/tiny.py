@@ -1,6 +1,7 @@
 """Tiny p-LaT models built from configs, shared by the test suites."""
 
 import socket
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -73,3 +74,22 @@ def two_processes(launcher):
         return [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
                 str(ROOT / "plat_train/presets/accelerate/cpu-2-processes.yaml"), "--main_process_port", str(free_port())]
     raise ValueError(f"launcher must be 'torchrun' or 'accelerate', got {launcher!r}")
+
+
+def tensorboard_scalars(log_dir):
+    """{tag: [values]} of the scalars in the TensorBoard event files under ``log_dir``.
+
+    Event files are TFRecords: each record is its length (uint64), a CRC of it, the serialised Event, a CRC.
+    """
+    from tensorboardX.proto import event_pb2
+
+    scalars = {}
+    for path in sorted(Path(log_dir).rglob("events.out.tfevents.*")):
+        data, offset = path.read_bytes(), 0
+        while offset < len(data):
+            (length,) = struct.unpack("<Q", data[offset : offset + 8])
+            event = event_pb2.Event.FromString(data[offset + 12 : offset + 12 + length])
+            offset += 12 + length + 4
+            for value in event.summary.value:
+                scalars.setdefault(value.tag, []).append(value.simple_value)
+    return scalars
