@@ -1,30 +1,38 @@
-"""Spectral and energy diagnostics of p-LaT layers (arXiv 2311.03235, Sections 3-4), per layer and head.
+"""Spectral and energy diagnostics of p-LaT layers (arXiv 2311.03235, Sections 3-4), per layer and per head.
 
-For a batch of real inputs, every attention layer l of a model is measured on the tensors it actually computes:
+For a batch of real inputs, every attention layer l of a model is measured on the tensors it actually computes.
+A is the layer's softmax kernel softmax(q k^T / sqrt(d)) (causal for the language model), V a head's value
+vectors entering the layer (V = LN(h) W_V), p the head's exponent, P = (D2 + eps)^((p - 2) / 2) its weights,
+W = A * P, W_off = W off the self pairs, and M the effective matrix of the head's step (U = M V; paper: M = W;
+euler: M = W_off + diag(1 - rowsum W_off)). Every number is a batch mean, one per head: heads with different
+p are never summed, because J has the units of ||v||^p.
 
-* ``hidden_hc_dc_ratio``: Definition 4.1's high-frequency / DC ratio of the residual stream, token axis
-  transformed by the DFT channel by channel, norms taken over all channels (Frobenius, as in Wang et al.
-  2022): ``||HC[X]|| / ||DC[X]||``. Entry 0 is the embeddings, entry l the output of block l (before the
-  final LayerNorm). A low-pass stack drives it towards 0 with depth.
-* ``attention_hc_dc_gain``: the same ratio of one head's attention output U = M V divided by that of its
-  values V: below 1 the head smooths its input (a low-pass step), above 1 it sharpens it.
-* ``energy``: eq. 3 discretised with the layer's own kernel,
-  ``J = (1/p) sum_{x,y} k(x,y) ||v(y) - v(x)||^p``, where v are the head's value vectors entering layer l
-  (V = LN(h) W_V, the features the layer's p-Laplacian acts on), k(x, y) is the layer's softmax kernel
-  A = softmax(q k^T / sqrt(d)) (causal for the language model, rows sum to 1) and p is the head's p.
-  Summed over token pairs, averaged over the batch. Comparing it across layers is Theorem 3.4's
-  "J(U^l) >= J(U^{l+1})" read with each layer's own features and kernel.
-* ``energy_after_step``: the same functional, same kernel and p, of the attention output U = M V. One
-  attention step is the paper's (simplified) Euler step of the gradient flow of this J, so Theorem 3.4 claims
-  ``energy_after_step <= energy`` layer by layer without the MLP, residual and new projections in between.
-* ``lambda_max_softmax`` / ``lambda_max_effective``: the largest |eigenvalue| of A and of the effective
-  matrix M (paper formulation: A ⊙ P; euler: its Euler-step matrix), Theorems 4.3-4.4: a row-stochastic
-  A has 1; M with lambda_max > 1 (and 1 not its Perron vector) is not a low-pass filter. For a causal A
-  the matrices are lower triangular, so the eigenvalues are the diagonal, the self-weights: the first
-  token has A[0, 0] = 1, so a causal paper-formulation head has lambda_max >= P[0, 0] = eps^((p - 2) / 2)
-  (31.6 for p = 1.5 and the default eps), a property of eq. 12's diagonal rather than of what was learned.
+* ``energy``: eq. 3 with the layer's kernel, J = (1/p) sum_{x != y} A[x, y] (||v_y - v_x||^2 + eps)^(p / 2)
+  (eps as in P, so that the p-Laplacian step below is exactly its gradient; the self pairs add nothing).
+* ``energy_rate``: d/dtau J(V + tau Delta) / J at tau = 0, with Delta_x = sum_{y != x} W[x, y] (v_y - v_x)
+  the direction of the explicit Euler step of the gradient flow (the euler formulation is V + Delta).
+  Negative: the step's direction descends J at this point. Theorem 3.4 is about the continuous flow
+  dV/dt = -grad J, whose rate is -|grad J|^2 <= 0. Delta is only the part of -grad J that flows through each
+  token's own row of A; the whole gradient adds the column part sum_y A[y, x] ..., and the two coincide only
+  for a symmetric kernel. So a positive rate is possible, for a causal (triangular) kernel especially, and the
+  theorem says nothing about a finite step (tau = 1) or about the eq. 12 step either.
+* ``step_energy_ratio``: J(M V) / J(V) for the head's actual step, kernel and p held fixed: below 1 the step
+  lowered the energy. An explicit Euler step overshoots when it is too long:
+* ``max_offdiag_rowsum``: max_x sum_{y != x} W[x, y], the step length of the Euler step (softmax: at most 1;
+  p > 2 heads on spread-out values exceed 1, and past about 2 the step overshoots).
+* ``attention_hc_dc_gain``: Definition 4.1's high-frequency / DC ratio (DFT along the tokens, norms over
+  channels) of U = M V divided by that of V: below 1 the head smooths its input (a low-pass step).
+* ``attention_hc_dc_gain_without_self_weight``: the same for A * P with the self pair's P set to 1, a control
+  on the same model: for p < 2 in the paper's formulation the self pair weighs eps^((p - 2) / 2) (31.6 at
+  p = 1.5, eps = 1e-6), and this separates that self-weight from the weighting of the other tokens.
+* ``lambda_max_softmax`` / ``lambda_max_effective``: the largest |eigenvalue| of A and of M (Theorems
+  4.3-4.4; a row-stochastic A has 1). For a causal kernel the matrices are triangular and their eigenvalues are
+  the diagonal: a causal paper-formulation head has lambda_max >= eps^((p - 2) / 2) from its first token,
+  a property of eq. 12's self pair rather than of what was learned.
+* ``hidden_hc_dc_ratio`` (per model): the HC/DC ratio of the residual stream after each block (entry 0: the
+  embeddings; before the final LayerNorm).
 
-Every number is a batch mean. Command line::
+Command line::
 
     python experiments/diagnostics.py --model softmax=runs/softmax --model plat=runs/plat --task image --out diag/
 """
@@ -43,8 +51,8 @@ from plat_train.vision_data import FASHION_MNIST_MEAN, FASHION_MNIST_STD, fashio
 
 FASHION_MNIST_TEST_IMAGES = str(fashion_mnist_files()["test"][0])
 TASKS = {"text": "text-generation", "image": "image-classification"}
-PER_HEAD_METRICS = ("energy", "energy_after_step", "attention_hc_dc_gain", "lambda_max_softmax",
-                    "lambda_max_effective")
+PER_HEAD_METRICS = ("energy", "energy_rate", "step_energy_ratio", "max_offdiag_rowsum", "attention_hc_dc_gain",
+                    "attention_hc_dc_gain_without_self_weight", "lambda_max_softmax", "lambda_max_effective")
 
 
 # --- The maths: tensors in, tensors out -------------------------------------------------------------------
@@ -63,15 +71,17 @@ def hc_dc_ratio(features):
     return (hc / dc).sqrt()
 
 
-def p_dirichlet_energy(features, kernel, p):
-    """Eq. 3 on tokens: J = (1/p) sum_{x,y} k(x,y) ||u(y) - u(x)||^p, one value per head.
+def p_dirichlet_energy(features, kernel, p, eps=0.0):
+    """Eq. 3 on tokens: J = (1/p) sum_{x != y} k(x,y) (||u(y) - u(x)||^2 + eps)^(p / 2), one value per head.
 
     features: (..., H, N, d) vectors u; kernel: (..., H, N, N) weights k(x, y) (masked pairs hold 0);
-    p: (H,) exponents or a number. Returns (..., H).
+    p: (H,) exponents or a number. Returns (..., H). With eps = 0 this is eq. 3 exactly.
     """
     p = torch.as_tensor(p, dtype=kernel.dtype, device=kernel.device).reshape(-1, 1, 1)  # (H, 1, 1)
     distances = squared_value_distances(features.to(kernel.dtype), features.shape[-2])  # (..., H, N, N)
-    return (kernel * distances.pow(p / 2)).sum((-1, -2)) / p[..., 0, 0]
+    off_diagonal = ~torch.eye(features.shape[-2], dtype=torch.bool, device=kernel.device)
+    terms = torch.where(off_diagonal, (distances + eps).pow(p / 2), 0.0)
+    return (kernel * terms).sum((-1, -2)) / p[..., 0, 0]
 
 
 def largest_abs_eigenvalue(matrices):
@@ -87,6 +97,21 @@ def _heads(projection, hidden, num_heads):
     return projection(hidden).view(batch, length, num_heads, -1).transpose(1, 2)  # (B, H, N, d)
 
 
+def euler_direction(weights, value):
+    """Delta_x = sum_{y != x} W[x, y] (v_y - v_x): the explicit Euler step's direction, (..., N, d)."""
+    off = weights * ~torch.eye(weights.shape[-1], dtype=torch.bool, device=weights.device)
+    return off @ value - off.sum(-1, keepdim=True) * value
+
+
+def energy_rate(value, kernel, p, eps, direction):
+    """d/dtau J(V + tau direction) / J(V) at tau = 0, by automatic differentiation; (..., H)."""
+    value = value.detach().requires_grad_(True)
+    with torch.enable_grad():
+        energy = p_dirichlet_energy(value, kernel, p, eps)
+        (gradient,) = torch.autograd.grad(energy.sum(), value)
+    return (gradient * direction).sum((-1, -2)) / energy.detach()
+
+
 def attention_diagnostics(attention, hidden, attn_mask=None):
     """Per-head metrics of one ``PlatAttention`` fed ``hidden`` (the normalised block input, (B, N, D)).
 
@@ -97,17 +122,31 @@ def attention_diagnostics(attention, hidden, attn_mask=None):
                                                                      attention.v_proj))
     p = attention.plap_p(hidden.device)
     config = attention.config
-    # p = 2 makes P = 1 exactly, so this is the layer's own softmax kernel with the layer's own masking.
-    softmax_kernel = plap_attention_weights(query, key, value, torch.full_like(p, 2.0), attn_mask,
-                                            attention.is_causal, config.plap_eps, "paper")
-    effective = plap_attention_weights(query, key, value, p, attn_mask, attention.is_causal, config.plap_eps,
-                                       config.plap_formulation)
-    value = value.to(effective.dtype)
+
+    def weights_of(exponents, formulation):
+        return plap_attention_weights(query, key, value, exponents, attn_mask, attention.is_causal,
+                                      config.plap_eps, formulation)
+
+    # p = 2 makes P = 1 exactly: the layer's own softmax kernel with its own masking.
+    softmax_kernel = weights_of(torch.full_like(p, 2.0), "paper")
+    weights = weights_of(p, "paper")  # A * P, (B, H, N, N)
+    effective = weights if config.plap_formulation == "paper" else weights_of(p, config.plap_formulation)
+    self_pairs = torch.eye(weights.shape[-1], dtype=torch.bool, device=weights.device)
+    value = value.to(weights.dtype)
     output = effective @ value  # (B, H, N, d)
+    # The paper's step with the self pair's P replaced by 1: what the other tokens' weights alone do.
+    without_self_weight = torch.where(self_pairs, softmax_kernel, weights) if config.plap_formulation == "paper" \
+        else effective
+    direction = euler_direction(weights, value)
+    value_ratio = hc_dc_ratio(value)
     return {
-        "energy": p_dirichlet_energy(value, softmax_kernel, p).mean(0),
-        "energy_after_step": p_dirichlet_energy(output, softmax_kernel, p).mean(0),
-        "attention_hc_dc_gain": (hc_dc_ratio(output) / hc_dc_ratio(value)).mean(0),
+        "energy": p_dirichlet_energy(value, softmax_kernel, p, config.plap_eps).mean(0),
+        "energy_rate": energy_rate(value, softmax_kernel, p, config.plap_eps, direction).mean(0),
+        "step_energy_ratio": (p_dirichlet_energy(output, softmax_kernel, p, config.plap_eps)
+                              / p_dirichlet_energy(value, softmax_kernel, p, config.plap_eps)).mean(0),
+        "max_offdiag_rowsum": torch.where(self_pairs, 0.0, weights).sum(-1).amax(-1).mean(0),
+        "attention_hc_dc_gain": (hc_dc_ratio(output) / value_ratio).mean(0),
+        "attention_hc_dc_gain_without_self_weight": (hc_dc_ratio(without_self_weight @ value) / value_ratio).mean(0),
         "lambda_max_softmax": largest_abs_eigenvalue(softmax_kernel).mean(0),
         "lambda_max_effective": largest_abs_eigenvalue(effective).mean(0),
     }
@@ -230,63 +269,76 @@ def image_batch(model_path, config, inputs_file, batch_size):
 # --- Reports ---------------------------------------------------------------------------------------------
 
 
-def _layer_curve(result, metric, reduce):
-    return [reduce(layer[metric]) for layer in result["layers"]]
+# (metric, axis label, scale, reference line) of the per-head figure, one row each.
+HEAD_PLOTS = (
+    ("energy_rate", "dJ/dtau / J along the Euler direction\n(< 0: the direction descends J)", "symlog", 0.0),
+    ("step_energy_ratio", "J(M V) / J(V)\n(< 1: the step lowers J)", "log", 1.0),
+    ("max_offdiag_rowsum", "largest off-diagonal row sum\nof A * P (step length)", "log", 1.0),
+    ("attention_hc_dc_gain", "HC/DC gain of the step\n(< 1: low-pass)", "log", 1.0),
+    ("attention_hc_dc_gain_without_self_weight", "HC/DC gain, the self pair's\nP set to 1", "log", 1.0),
+    ("lambda_max_effective", "largest |eigenvalue| of M\n(softmax: 1)", "log", 1.0),
+)
+P_COLORS = {1.5: "tab:blue", 2.0: "tab:gray", 2.5: "tab:orange"}
+
+
+def group_runs(results):
+    """{group: [result, ...]}: models named ``group/seedK`` share a group (their seeds), others stand alone."""
+    groups = {}
+    for name, result in results.items():
+        groups.setdefault(name.split("/")[0], []).append(result)
+    return groups
+
+
+def per_head(runs, metric, head):
+    """(seeds, layers) array of one head's metric."""
+    return np.array([[layer[metric][head] for layer in run["layers"]] for run in runs])
 
 
 def plot_all(results, out_dir):
-    """Three PNGs, layer on x, one line per model: HC/DC ratio, energy, largest eigenvalues. Their paths."""
+    """Two PNGs: every per-head metric by layer, one column per model group (mean over its seeds, bars: the
+    smallest and largest seed); and the residual stream's HC/DC ratio by layer. Returns their paths."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
 
-    paths = []
-    colors = dict(zip(results, plt.rcParams["axes.prop_cycle"].by_key()["color"] * 4))
-
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for name, result in results.items():
-        ratio = result["hidden_hc_dc_ratio"]
-        axes[0].plot(range(len(ratio)), ratio, "o-", color=colors[name], label=name)
-        gains = _layer_curve(result, "attention_hc_dc_gain", np.mean)
-        axes[1].plot(range(1, len(gains) + 1), gains, "o-", color=colors[name], label=name)
-    axes[0].set(xlabel="layer (0 = embeddings, l = output of block l)", ylabel="||HC|| / ||DC||", yscale="log",
-                title="Residual stream: high-frequency / DC ratio")
-    axes[1].axhline(1.0, color="grey", lw=0.8, ls=":")
-    axes[1].set(xlabel="layer", ylabel="ratio(M V) / ratio(V), mean over heads", yscale="log",
-                title="Attention step: HC/DC gain (< 1: low-pass)")
-    axes[0].legend()
-    paths.append(_save(fig, out_dir / "hc_dc_ratio.png"))
-
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for name, result in results.items():
-        energy = _layer_curve(result, "energy", sum)
-        after = _layer_curve(result, "energy_after_step", sum)
-        layers = range(1, len(energy) + 1)
-        axes[0].plot(layers, energy, "o-", color=colors[name], label=name)
-        axes[1].plot(layers, [a / b for a, b in zip(after, energy)], "o-", color=colors[name], label=name)
-    axes[0].set(xlabel="layer", ylabel="J(V^l), summed over heads", yscale="log",
-                title="Energy (eq. 3) of the values entering each layer")
-    axes[1].axhline(1.0, color="grey", lw=0.8, ls=":")
-    axes[1].set(xlabel="layer", ylabel="J(M V) / J(V), same kernel and p", yscale="log",
-                title="One attention step (< 1: energy decreases)")
-    axes[0].legend()
-    paths.append(_save(fig, out_dir / "energy.png"))
+    groups = group_runs(results)
+    fig, axes = plt.subplots(len(HEAD_PLOTS), len(groups), figsize=(3.6 * len(groups) + 1, 2.4 * len(HEAD_PLOTS)),
+                             squeeze=False, sharey="row")
+    for column, (group, runs) in enumerate(groups.items()):
+        layers = np.arange(1, len(runs[0]["layers"]) + 1)
+        p_of_heads = runs[0]["layers"][0]["p"]
+        for row, (metric, label, scale, reference) in enumerate(HEAD_PLOTS):
+            ax = axes[row][column]
+            for head, p in enumerate(p_of_heads):
+                values = per_head(runs, metric, head)
+                shift = (head - (len(p_of_heads) - 1) / 2) * 0.04  # heads side by side
+                mean = values.mean(0)
+                ax.errorbar(layers + shift, mean, yerr=[mean - values.min(0), values.max(0) - mean], marker="o",
+                            ms=3, lw=0.8, capsize=2, color=P_COLORS.get(p, "tab:purple"), alpha=0.8)
+            ax.axhline(reference, color="grey", lw=0.8, ls=":")
+            ax.set_yscale(scale)
+            if column == 0:
+                ax.set_ylabel(label, fontsize=8)
+            if row == 0:
+                ax.set_title(f"{group} ({len(runs)} model{'s' * (len(runs) > 1)})", fontsize=9)
+            if row == len(HEAD_PLOTS) - 1:
+                ax.set_xlabel("layer")
+    handles = [Line2D([], [], color=color, marker="o", label=f"p = {p}") for p, color in P_COLORS.items()]
+    fig.legend(handles=handles, loc="upper right", fontsize=8)
+    paths = [_save(fig, out_dir / "heads.png")]
 
     fig, ax = plt.subplots(figsize=(6.5, 4))
-    for name, result in results.items():
-        layers = np.arange(1, len(result["layers"]) + 1)
-        ax.plot(layers, _layer_curve(result, "lambda_max_effective", np.mean), "o-", color=colors[name],
-                label=f"{name}: M (mean over heads)")
-        for layer, values in zip(layers, _layer_curve(result, "lambda_max_effective", list)):
-            ax.scatter([layer] * len(values), values, s=10, color=colors[name], alpha=0.5)
-        ax.plot(layers, _layer_curve(result, "lambda_max_softmax", np.mean), "x--", color=colors[name],
-                label=f"{name}: A")
-    ax.axhline(1.0, color="grey", lw=0.8, ls=":")
-    ax.set(xlabel="layer", ylabel="largest |eigenvalue|", yscale="log",
-           title="Spectral radius: A vs effective matrix M (dots: heads)")
-    ax.legend(fontsize=7)
-    paths.append(_save(fig, out_dir / "spectrum.png"))
+    for group, runs in groups.items():
+        ratios = np.array([run["hidden_hc_dc_ratio"] for run in runs])
+        ax.errorbar(range(ratios.shape[1]), ratios.mean(0), yerr=[ratios.mean(0) - ratios.min(0),
+                                                                  ratios.max(0) - ratios.mean(0)],
+                    marker="o", capsize=3, label=group)
+    ax.set(xlabel="layer (0 = embeddings, l = output of block l)", ylabel="||HC|| / ||DC||", yscale="log",
+           title="Residual stream: high-frequency / DC ratio")
+    ax.legend(fontsize=8)
+    paths.append(_save(fig, out_dir / "residual_hc_dc.png"))
     return paths
 
 
@@ -296,7 +348,7 @@ def _save(fig, path):
     for ax in fig.axes:
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
     import matplotlib.pyplot as plt
 
     plt.close(fig)

@@ -10,7 +10,7 @@ from tiny import text_config, vision_config
 
 from modeling_plat import PlatForCausalLM, PlatForImageClassification
 import diagnostics
-from diagnostics import hc_dc_ratio, largest_abs_eigenvalue, p_dirichlet_energy
+from diagnostics import energy_rate, euler_direction, hc_dc_ratio, largest_abs_eigenvalue, p_dirichlet_energy
 from modeling_plat import PlatImageProcessor
 from plat_train.text_data import train_tokenizer
 
@@ -72,6 +72,58 @@ def test_energy_at_p_2_is_the_graph_laplacian_quadratic_form():
     torch.testing.assert_close(p_dirichlet_energy(features, kernel, 2.0), quadratic_form)
 
 
+def _symmetric_kernel(shape, generator):
+    kernel = _random_stochastic(shape, generator)
+    return (kernel + kernel.transpose(-1, -2)) / 2
+
+
+@pytest.mark.parametrize("p", [1.5, 2.0, 2.5])
+def test_on_a_symmetric_kernel_the_euler_direction_is_half_the_negative_gradient(p):
+    # With k symmetric, dJ/dv_x = -2 Delta_x (the row and the column part are equal), so the rate along Delta is
+    # -2 |Delta|^2 / J: negative, the steepest-descent direction of Theorem 3.4.
+    generator = torch.Generator().manual_seed(9)
+    features = torch.randn(2, 8, 3, dtype=torch.float64, generator=generator)  # (H, N, d)
+    kernel = _symmetric_kernel((2, 8, 8), generator)
+    eps = 1e-3
+    distances = ((features[:, :, None] - features[:, None, :]) ** 2).sum(-1)
+    direction = euler_direction(kernel * (distances + eps) ** ((p - 2) / 2), features)
+    energy = p_dirichlet_energy(features, kernel, p, eps)
+    expected = -2 * (direction ** 2).sum((-1, -2)) / energy
+    torch.testing.assert_close(energy_rate(features, kernel, p, eps, direction), expected)
+    assert (expected < 0).all()
+
+
+def test_a_causal_kernel_can_make_the_euler_direction_ascend():
+    # Delta is only the row part of -grad J; with a triangular kernel the column part differs. Here only token 2
+    # moves (Delta_2 = 0.8 * (0.9 - 0.6) = 0.24, towards token 0), which takes it away from token 3, who attends
+    # to it: dJ/dv_2 = -0.24 + 0.5 * (0.6 + 0.3) = 0.21, so J = 0.441 rises at 0.21 * 0.24 = 0.0504 per unit step.
+    features = torch.tensor([[[0.9], [-1.2], [0.6], [-0.3]]], dtype=torch.float64)  # (H=1, N=4, d=1)
+    kernel = torch.tensor([[[1.0, 0.0, 0.0, 0.0], [0.0, 1.0, 0.0, 0.0], [0.8, 0.0, 0.2, 0.0],
+                            [0.0, 0.5, 0.5, 0.0]]], dtype=torch.float64)
+    rate = energy_rate(features, kernel, 2.0, 0.0, euler_direction(kernel, features))  # p = 2: W = A
+    assert rate.item() == pytest.approx(0.0504 / 0.441)
+
+
+def test_self_weight_control_and_step_length_of_softmax_and_euler_heads():
+    torch.manual_seed(10)
+    hidden = torch.randn(2, 17, 24)
+    softmax = PlatForImageClassification(vision_config(plap_p=2.0)).eval()
+    metrics = diagnostics.attention_diagnostics(softmax.vit.layers[0].attention, hidden)
+    # P = 1: nothing to remove, and the off-diagonal row sums of a stochastic matrix stay below 1.
+    torch.testing.assert_close(metrics["attention_hc_dc_gain_without_self_weight"], metrics["attention_hc_dc_gain"])
+    assert (metrics["max_offdiag_rowsum"] < 1).all()
+    euler = PlatForImageClassification(vision_config(plap_p=[1.5, 1.5, 2.5], plap_formulation="euler")).eval()
+    metrics = diagnostics.attention_diagnostics(euler.vit.layers[0].attention, hidden)
+    torch.testing.assert_close(metrics["attention_hc_dc_gain_without_self_weight"], metrics["attention_hc_dc_gain"])
+    paper = PlatForImageClassification(vision_config(plap_p=[1.5, 1.5, 2.5])).eval()
+    paper.load_state_dict(euler.state_dict())
+    control = diagnostics.attention_diagnostics(paper.vit.layers[0].attention, hidden)
+    # The same weights off the diagonal: only the paper formulation's self pair differs, and without it the
+    # paper step smooths at least as the row-normalised kernel would allow it to.
+    torch.testing.assert_close(control["max_offdiag_rowsum"], metrics["max_offdiag_rowsum"])
+    assert not torch.allclose(control["attention_hc_dc_gain"], control["attention_hc_dc_gain_without_self_weight"])
+
+
 def test_a_row_stochastic_matrix_has_largest_eigenvalue_one():
     attention = _random_stochastic((4, 11, 11), torch.Generator().manual_seed(3))
     torch.testing.assert_close(largest_abs_eigenvalue(attention), torch.ones(4, dtype=torch.float64))
@@ -116,7 +168,7 @@ def test_command_line_on_tiny_image_models_writes_json_and_pngs(tmp_path):
     assert set(report["models"]) == {"baseline", "plat"}
     assert report["models"]["plat"]["input_shape"] == [4, 1, 28, 28]
     assert len(report["models"]["baseline"]["hidden_hc_dc_ratio"]) == 3
-    for name in ("hc_dc_ratio.png", "energy.png", "spectrum.png"):
+    for name in ("heads.png", "residual_hc_dc.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -131,7 +183,7 @@ def test_command_line_on_a_tiny_language_model_reads_a_text_file(tmp_path):
                       "--batch_size", "2", "--block_size", "16", "--out", str(out)])
     result = json.loads((out / "diagnostics.json").read_text())["models"]["lm"]
     assert result["formulation"] == "euler" and result["input_shape"] == [2, 16]
-    assert (out / "spectrum.png").is_file()
+    assert (out / "heads.png").is_file()
 
 
 def test_a_transformers_vit_checkpoint_is_measured_as_its_softmax_baseline(tmp_path):
