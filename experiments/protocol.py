@@ -95,11 +95,7 @@ def paper_p_mix(num_heads):
 
 def preset_heads(task):
     """The head count of a task's preset, read from the preset file."""
-    for folder in (REPO / "plat_train" / "presets", REPO / "configuration"):
-        path = folder / f"{task.preset}.json"
-        if path.is_file():
-            return json.loads(path.read_text())["num_attention_heads"]
-    raise FileNotFoundError(f"No preset file for {task.preset}")
+    return json.loads((REPO / "plat_train" / "presets" / f"{task.preset}.json").read_text())["num_attention_heads"]
 
 
 def variant_overrides(variant_name, num_heads):
