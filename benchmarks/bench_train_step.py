@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM, AutoModelForImageClassification, 
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from modeling_plat import PlatConfig, PlatForCausalLM, PlatForImageClassification  # noqa: E402
+from modeling_plat import PlatConfig, PlatForCausalLM, PlatForImageClassification, PlatVisionConfig  # noqa: E402
 
 DEIT_TINY = dict(hidden_size=192, num_hidden_layers=12, num_attention_heads=3, intermediate_size=768)
 PAPER_LM = dict(hidden_size=128, num_hidden_layers=16, num_attention_heads=8, intermediate_size=512)
@@ -34,8 +34,8 @@ def vision_models(backend):
     vit = ViTConfig(**DEIT_TINY, image_size=224, patch_size=16, num_labels=1000, hidden_dropout_prob=0.0,
                     attention_probs_dropout_prob=0.0)  # fmt: skip
     return {
-        "plat-deit-tiny": PlatForImageClassification(PlatConfig(**plat, plap_p=[1.5, 1.5, 2.5])),
-        "plat-deit-tiny-p2": PlatForImageClassification(PlatConfig(**plat, plap_p=2.0)),
+        "plat-deit-tiny": PlatForImageClassification(PlatVisionConfig(**plat, plap_p=[1.5, 1.5, 2.5])),
+        "plat-deit-tiny-p2": PlatForImageClassification(PlatVisionConfig(**plat, plap_p=2.0)),
         "vit-deit-tiny-sdpa": AutoModelForImageClassification.from_config(vit, attn_implementation="sdpa"),
     }
 
