@@ -4,6 +4,7 @@ name from a directory outside the repository."""
 
 import ast
 import json
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -112,9 +113,15 @@ def test_no_two_modules_import_each_other():
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory):
-    dist = tmp_path_factory.mktemp("dist")
+    # Built from a copy of what the distribution is made of: a build/ folder left in the checkout could add
+    # files that no longer exist.
+    source, dist = tmp_path_factory.mktemp("source"), tmp_path_factory.mktemp("dist")
+    for name in ("setup.cfg", "pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source / name)
+    for package in ("modeling_plat", "plat_train"):
+        shutil.copytree(ROOT / package, source / package, ignore=shutil.ignore_patterns("__pycache__"))
     result = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                             "-w", str(dist), str(ROOT)], capture_output=True, text=True, timeout=600)
+                             "-w", str(dist), str(source)], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     (path,) = dist.glob("plat_transformers-*.whl")
     return path
