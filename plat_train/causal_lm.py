@@ -198,6 +198,8 @@ def model_card_fields(model_args, data_args):
 def main(args=None):
     parser = HfArgumentParser((TextModelArguments, DataArguments, PlatTrainingArguments))
     model_args, data_args, training_args = parse_args(parser, args)
+    if model_args.model_type is None and not (model_args.config_name or model_args.model_name_or_path):
+        raise ValueError("Choose a model: --config_name (a preset or path), --model_name_or_path or --model_type plat")
     setup_logging(training_args)
     logger.warning(
         f"Process rank: {training_args.process_index}, device: {training_args.device}, n_gpu: {training_args.n_gpu}, "
@@ -219,8 +221,6 @@ def main(args=None):
         raise ValueError("--do_eval needs a validation split: give --validation_file or a dataset with one")
     if training_args.do_predict and "test" not in raw_splits:
         raise ValueError("--do_predict needs a test split: give --test_file or a dataset with one")
-    if model_args.model_type is None and not (model_args.config_name or model_args.model_name_or_path):
-        raise ValueError("Choose a model: --config_name (a preset or path), --model_name_or_path or --model_type plat")
 
     config = build_config(model_args, "text-generation")
     block_size = resolve_block_size(data_args.block_size, config)

@@ -328,6 +328,11 @@ def test_config_overrides_parse_lists_and_reject_unknown_fields():
                      "text-generation")
 
 
+def test_a_model_must_be_chosen(text_files, tmp_path):
+    with pytest.raises(ValueError, match="Choose a model"):
+        run_clm.main(["--train_file", str(text_files["train"]), "--do_train", "--output_dir", str(tmp_path / "out")])
+
+
 def test_missing_file_is_reported(tmp_path):
     with pytest.raises(FileNotFoundError, match="nowhere.txt"):
         run_clm.main([*TINY_MODEL, "--train_file", str(tmp_path / "nowhere.txt"), "--do_train",
