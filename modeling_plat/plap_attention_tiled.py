@@ -27,9 +27,10 @@ over the tiles and Python's per-call cost. Hence:
   exp2, which PyTorch vectorises itself on every x86 CPU; exp goes to MKL's vector maths where MKL is linked,
   4x slower on AMD CPUs and 20x for results below float32's normal range (see ``_power`` for the powers);
 - each tile is written once by a matmul and then updated in place (A becomes dS, G becomes T then Y), in a
-  few scratch buffers allocated once per call: fresh multi-MiB tensors cost page faults on every call;
-- the backward forms four tiles per step (A, D2 + eps, W, G) and folds the 2 c factor of the distance
-  gradient into a copy of V made once per call.
+  few scratch buffers allocated once per call; the backward forms four tiles per step (A, D2 + eps, W, G);
+- no (B, H, N, d) temporaries beyond the outputs: the score scale rides in the matmul's alpha, row sums and
+  the 2 c factor of the distance gradient are applied per query block. Fresh multi-MiB tensors cost page
+  faults on every call (~20% of the DeiT-tiny fwd+bwd before this, in system time).
 
 The gradient with respect to p is not computed: p is a fixed buffer in p-LaT models. ``plap_attention``
 routes a ``p`` that requires grad to the eager backend under "auto"; this module refuses it.
@@ -39,16 +40,16 @@ import math
 
 import torch
 
-# Scores per tile, all heads of a batch block together. Measured fwd+bwd at the paper LM and DeiT-tiny
-# shapes (1 and 2 threads): 2**16 float32 (256 KiB, a few of which stay in a core's L2) is as fast as
-# 2**17 and faster than 2**18 or 2**15 (below, the fixed cost of each PyTorch call starts to show).
+# Scores per tile, all heads of a batch block together: 2**18 float32 = 1 MiB per tile buffer. Measured
+# fwd+bwd (paper LM, ptb-tiny and DeiT-tiny shapes, 1 and 2 threads, AMD EPYC): 2**17 and 2**19 within the
+# run-to-run spread (~10%) of 2**18; smaller tiles pay more per-call overhead, larger ones leave the cache.
 TILE_ELEMENTS = 1 << 18
 # Longest key block. Shorter sequences take all their keys in one block (no online rescaling);
 # longer ones are split so that a tile's rows stay long enough for efficient matmuls.
 MAX_BLOCK_K = 1024
 # Causal query blocks are kept short so that the key range of each (cut at the diagonal) skips most of
-# the masked upper triangle.
-CAUSAL_BLOCK_Q = 64
+# the masked upper triangle: 32 rows beat 64 by 5-15% at N = 128 and 256 (1 and 2 threads).
+CAUSAL_BLOCK_Q = 32
 LOG2_E = 1 / math.log(2)
 
 
@@ -124,7 +125,7 @@ class _Tiling:
         self.runs, self.bias, self.is_causal, self.eps, self.euler = runs, bias, is_causal, eps, euler
         self.block_b, self.block_q, self.block_k = blocks
         self._causal_biases = {}
-        self.q = (query * (self.scale * LOG2_E)).flatten(0, 1)  # (BH, Nq, d): scores come out in log2 units
+        self.q = query.flatten(0, 1)  # (BH, Nq, d)
         self.k = key.flatten(0, 1)  # (BH, Nk, d)
         self.v = value.flatten(0, 1)  # (BH, Nk, dv)
         self.v_query = self.v[:, self.offset :]  # (BH, Nq, dv): each query's own value
@@ -153,8 +154,9 @@ class _Tiling:
 
     def scores(self, rows, b0, b1, q0, q1, k0, k1, buffer):
         """Scaled, masked scores of a tile in log2 units, (bh, bq, bk) in ``buffer``; masked pairs are -inf."""
-        out = _tile(buffer, rows.stop - rows.start, q1 - q0, k1 - k0)
-        scores = torch.bmm(self.q[rows, q0:q1], self.k[rows, k0:k1].transpose(1, 2), out=out)  # (bh, bq, bk)
+        scores = _tile(buffer, rows.stop - rows.start, q1 - q0, k1 - k0).baddbmm_(
+            self.q[rows, q0:q1], self.k[rows, k0:k1].transpose(1, 2), beta=0, alpha=self.scale * LOG2_E
+        )  # (bh, bq, bk); beta=0 ignores the buffer's old contents
         if self.bias is not None:
             bias = _narrow(_narrow(_narrow(self.bias, 0, b0, b1), 2, q0, q1), 3, k0, k1)
             scores.unflatten(0, (-1, self.heads)).add_(bias)
@@ -197,12 +199,13 @@ class _Tiling:
 
 
 def _forward(tiling):
-    """Output (BH, Nq, dv), row logsumexp in log2 units (BH, Nq; +inf on fully masked rows), rowsum(W_off) for euler."""
+    """Output (BH, Nq, dv), row logsumexp in log2 units (BH, Nq; +inf on fully masked rows) and, for euler, the
+    weight 1 - rowsum(W_off) of each query's own value (BH, Nq; 0 on fully masked rows)."""
     t = tiling
     bh_all, dtype = t.q.shape[0], t.q.dtype
     out = t.q.new_empty(bh_all, t.num_queries, t.v.shape[-1])
     lse = t.q.new_empty(bh_all, t.num_queries)
-    off_rowsum = t.q.new_empty(bh_all, t.num_queries) if t.euler else None
+    own_weight = t.q.new_empty(bh_all, t.num_queries) if t.euler else None
     scores_buffer, dist_buffer = t.new_tile_buffer(), t.new_tile_buffer()
     for b0, b1, rows, q0, q1 in t.query_blocks():
         first = True
@@ -230,45 +233,44 @@ def _forward(tiling):
         inv_sum = torch.where(valid, row_sum.reciprocal(), 0)
         out_block = acc.mul_(inv_sum)
         if t.euler:
-            w_sum.mul_(inv_sum)  # rowsum(W_off), 0 on fully masked rows
-            out_block.addcmul_(torch.where(valid, 1 - w_sum, 0), t.v_query[rows, q0:q1])
-            off_rowsum[rows, q0:q1] = w_sum.squeeze(-1)
+            own_block = torch.where(valid, 1 - w_sum.mul_(inv_sum), 0)  # 1 - rowsum(W_off), (bh, bq, 1)
+            out_block.addcmul_(own_block, t.v_query[rows, q0:q1])
+            own_weight[rows, q0:q1] = own_block.squeeze(-1)
         out[rows, q0:q1] = out_block
         lse[rows, q0:q1] = torch.where(valid, row_max + row_sum.log2(), math.inf).squeeze(-1)
-    return out, lse, off_rowsum
+    return out, lse, own_weight
 
 
-def _backward(tiling, out, lse, off_rowsum, grad_out):
+def _backward(tiling, out, lse, own_weight, grad_out):
     """Gradients (BH, N, d) of q, k, v from the saved O(N) statistics, recomputing every tile.
 
     Four tiles per step, each written once and updated in place: A (then dS), D2 + eps, W, G (then T, then Y).
+    Rows with no allowed key need no masking: their A, hence W, T, dS and Y, are exact zeros, and so is their
+    own_weight.
     """
     t = tiling
-    grad_out = grad_out.masked_fill(torch.isinf(lse)[..., None], 0)  # fully masked rows are constant zeros
-    if t.euler:
-        # dU_x . v_x is the part of G that the subtraction of rowsum(W_off) v_x takes back.
-        grad_own = (grad_out * t.v_query).sum(-1, keepdim=True)  # (BH, Nq, 1)
-        row_dot = (grad_out * out).sum(-1, keepdim=True) - grad_own
-    else:
-        row_dot = (grad_out * out).sum(-1, keepdim=True)  # rowsum(W * dW) = dU . U, FlashAttention's D
-    neg_row_dot = row_dot.neg_()  # (BH, Nq, 1)
+    dv = t.v.shape[-1]
     c = torch.tensor([c for first, end, c in t.runs for _ in range(first, end)], dtype=t.v.dtype)
-    two_c = (2 * c).to(t.v.device).repeat(t.batch)[:, None, None]  # (BH, 1, 1)
-    values_two_c = t.v * -two_c  # (BH, Nk, dv): -2 c V
+    neg_two_c = (-2 * c).to(t.v.device).repeat(t.batch)[:, None, None]  # (BH, 1, 1)
     grad_q = torch.empty_like(t.q)
     grad_k = torch.zeros_like(t.k)
     grad_v = torch.zeros_like(t.v)
-    buffers = [t.new_tile_buffer() for _ in range(4)]
+    attn_buffer, dist_buffer, weights_buffer, grad_w_buffer = (t.new_tile_buffer() for _ in range(4))
     for b0, b1, rows, q0, q1 in t.query_blocks():
         bh, bq = rows.stop - rows.start, q1 - q0
         grad_out_block = grad_out[rows, q0:q1]  # (bh, bq, dv)
         own = slice(t.offset + q0, t.offset + q1)
+        v_query = t.v[rows, own]
+        neg_row_dot = -(grad_out_block * out[rows, q0:q1]).sum(-1, keepdim=True)  # -rowsum(W * dW), (bh, bq, 1)
+        if t.euler:
+            # dU_x . v_x is the part of G that the subtraction of rowsum(W_off) v_x takes back.
+            grad_own = (grad_out_block * v_query).sum(-1, keepdim=True)  # (bh, bq, 1)
+            neg_row_dot += grad_own
         # Accumulators of this query block, contiguous: in-place matmuls into strided views are slow.
         grad_q_block = t.q.new_zeros(bh, bq, t.q.shape[-1])
-        grad_v_own = t.v.new_zeros(bh, bq, t.v.shape[-1])  # -2 c Y V
+        ratio_values = t.v.new_zeros(bh, bq, dv)  # Y V
         ratio_rowsum = t.v.new_zeros(bh, bq, 1)
         for k0, k1 in t.key_blocks(q0, q1):
-            attn_buffer, dist_buffer, weights_buffer, grad_w_buffer = buffers
             attn = t.scores(rows, b0, b1, q0, q1, k0, k1, attn_buffer).sub_(lse[rows, q0:q1, None]).exp2_()  # A
             dist = t.distances_eps(rows, q0, q1, k0, k1, dist_buffer)
             weights = t.plap_weights(attn, dist, q0, k0, out=_tile(weights_buffer, *attn.shape))
@@ -276,24 +278,27 @@ def _backward(tiling, out, lse, off_rowsum, grad_out):
             grad_v_keys = torch.bmm(weights.transpose(1, 2), grad_out_block)  # (bh, bk, dv)
             grad_w = torch.bmm(grad_out_block, values.transpose(1, 2), out=_tile(grad_w_buffer, *attn.shape))  # G
             if t.euler:
-                grad_w.sub_(grad_own[rows, q0:q1])
+                grad_w.sub_(grad_own)
             product = grad_w.mul_(weights)  # T = W * dW
-            grad_s = torch.addcmul(product, attn, neg_row_dot[rows, q0:q1], out=attn)  # dS
+            grad_s = torch.addcmul(product, attn, neg_row_dot, out=attn)  # dS
             grad_q_block.baddbmm_(grad_s, keys)
             grad_k[rows, k0:k1] += torch.bmm(grad_s.transpose(1, 2), t.q[rows, q0:q1])
             ratio = product.div_(dist)  # Y = T / (D2 + eps); dL/dD2 = c Y
             t.self_diagonal(ratio, q0, k0).fill_(0)
-            grad_v_own.baddbmm_(ratio, values_two_c[rows, k0:k1])
+            ratio_values.baddbmm_(ratio, values)
             ratio_rowsum += ratio.sum(-1, keepdim=True)
-            grad_v_keys.baddbmm_(ratio.transpose(1, 2), values_two_c[rows, own])
-            grad_v_keys.addcmul_(ratio.sum(1)[..., None] * two_c[rows], values)
+            # dv_y += 2 c (colsum(Y) v_y - Y^T v_x)
+            ratio_query_values = torch.bmm(ratio.transpose(1, 2), v_query)  # (bh, bk, dv)
+            ratio_query_values.addcmul_(ratio.sum(1)[..., None], values, value=-1)
+            grad_v_keys.addcmul_(ratio_query_values, neg_two_c[rows])
             grad_v[rows, k0:k1] += grad_v_keys
         grad_q[rows, q0:q1] = grad_q_block
-        grad_v[rows, own] += grad_v_own.addcmul_(ratio_rowsum * two_c[rows], t.v_query[rows, q0:q1])
+        # dv_x += 2 c (rowsum(Y) v_x - Y V)
+        grad_v[rows, own] += ratio_values.sub_(ratio_rowsum * v_query).mul_(neg_two_c[rows])
     grad_q.mul_(t.scale)
-    grad_k.mul_(1 / LOG2_E)  # taken against the queries pre-scaled by log2(e) / sqrt(d)
+    grad_k.mul_(t.scale)
     if t.euler:
-        grad_v[:, t.offset :].addcmul_(grad_out, 1 - off_rowsum[..., None])
+        grad_v[:, t.offset :].addcmul_(grad_out, own_weight[..., None])
     return grad_q, grad_k, grad_v
 
 
@@ -301,17 +306,17 @@ class _PlapAttentionTiled(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, key, value, runs, bias, is_causal, eps, euler, blocks):
         tiling = _Tiling(query, key, value, runs, bias, is_causal, eps, euler, blocks)
-        out, lse, off_rowsum = _forward(tiling)
-        ctx.save_for_backward(query, key, value, out, lse, off_rowsum)
+        out, lse, own_weight = _forward(tiling)
+        ctx.save_for_backward(query, key, value, out, lse, own_weight)
         ctx.args = (runs, bias, is_causal, eps, euler, blocks)
         return out.view(query.shape[:3] + value.shape[-1:])  # (B, H, Nq, dv)
 
     @staticmethod
     def backward(ctx, grad_out):
-        query, key, value, out, lse, off_rowsum = ctx.saved_tensors
+        query, key, value, out, lse, own_weight = ctx.saved_tensors
         with torch.autocast(query.device.type, enabled=False):
             tiling = _Tiling(query, key, value, *ctx.args)
-            grads = _backward(tiling, out, lse, off_rowsum, grad_out.flatten(0, 1).to(out.dtype))
+            grads = _backward(tiling, out, lse, own_weight, grad_out.flatten(0, 1).to(out.dtype))
         grad_q, grad_k, grad_v = (g.view(x.shape) for g, x in zip(grads, (query, key, value)))
         return grad_q, grad_k, grad_v, None, None, None, None, None, None
 
