@@ -20,10 +20,12 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 FORMULATIONS = ("paper", "euler")
 BACKENDS = ("auto", "eager", "tiled", "triton")
-# Up to this many scores in all (B * H * Nq * Nk) the eager path beats the tiled one on CPU (its few
-# kernels cost less than the tiled loop's fixed overhead; measured fwd+bwd, 1 thread: tie at 8 * 4 * 16 * 16,
-# tiled 1.3x faster at 8 * 4 * 32 * 32).
-EAGER_MAX_SCORES_CPU = 8192
+# Per intra-op thread, up to this many scores in all (B * H * Nq * Nk, the heads with p != 2) the eager path
+# beats the tiled one on CPU: its few large kernels cost less than the tiled loop's fixed per-call overhead.
+# Measured fwd+bwd, float32, p = 1.5 / 2.5, B = 1 / 4 / 16, H = 4, N = 8 ... 256, d = 16 and 64, causal or
+# not (AMD EPYC, torch 2.13): with 1 thread eager and tiled tie between 16k and 64k scores at d = 16 and
+# between 64k and 256k at d = 64; with 2 threads the ties move to 64k-256k and ~256k.
+EAGER_MAX_SCORES_PER_THREAD_CPU = 65536
 
 
 def _allowed_positions(attn_mask, is_causal, num_queries, num_keys, device):
@@ -155,8 +157,10 @@ def resolve_backend(backend, query, key=None, attn_mask=None, p=None):
     Heads with p = 2 are softmax attention exactly and ``plap_attention`` runs them through SDPA whatever the
     backend, unless p requires grad (see ``head_groups``).
 
-    "auto": eager when p requires grad; on CUDA triton where it can run the input; on CPU eager up to
-    EAGER_MAX_SCORES_CPU scores (B * H * Nq * Nk, the heads with p != 2 only), tiled above; tiled otherwise.
+    "auto", by measured crossovers: eager when p requires grad; on CUDA triton where it can run the input;
+    on CPU eager up to EAGER_MAX_SCORES_PER_THREAD_CPU scores (B * H * Nq * Nk, counting the heads with
+    p != 2 only) per intra-op thread, tiled above (O(N) memory); tiled otherwise. Heads with p = 2 take
+    SDPA on every device and size: one fused kernel, faster than either.
     An explicit choice that cannot run the input raises a ValueError saying why; it is never replaced.
     """
     if backend not in BACKENDS:
@@ -171,7 +175,8 @@ def resolve_backend(backend, query, key=None, attn_mask=None, p=None):
             if triton_unsupported_reason(query, attn_mask) is None:
                 return "triton"
         num_keys = query.shape[-2] if key is None else key.shape[-2]
-        small = query.device.type == "cpu" and query.shape[:-1].numel() * num_keys <= EAGER_MAX_SCORES_CPU
+        scores = query.shape[:-1].numel() * num_keys
+        small = query.device.type == "cpu" and scores <= EAGER_MAX_SCORES_PER_THREAD_CPU * torch.get_num_threads()
         return "eager" if small else "tiled"
     if backend != "eager" and p_trains:
         raise ValueError(f"backend {backend!r} computes no gradient for p, which requires grad; use 'eager'")

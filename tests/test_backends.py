@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from modeling_plat import plap_attention
 from modeling_plat import plap_attention_triton as triton_module
-from modeling_plat.plap_attention import resolve_backend
+from modeling_plat.plap_attention import EAGER_MAX_SCORES_PER_THREAD_CPU, resolve_backend
 from modeling_plat.plap_attention_tiled import plap_attention_tiled
 from reference import reference_plap_attention
 
@@ -210,13 +210,15 @@ def test_p_requiring_grad():
 
 
 def test_auto_backend_choice():
-    small, _ = make_inputs(1, 2, 8, 8, 4, 4, torch.float32)
-    large, _ = make_inputs(1, 2, 300, 300, 4, 4, torch.float32)
+    """On CPU eager up to EAGER_MAX_SCORES_PER_THREAD_CPU scores per thread, tiled above."""
+    limit = EAGER_MAX_SCORES_PER_THREAD_CPU * torch.get_num_threads()
+    query = torch.zeros(1, 1, 1, 4, device=DEVICE)
+    keys_at_limit, keys_above = (torch.zeros(1, 1, 1, 4, device=DEVICE).expand(1, 1, n, 4) for n in (limit, limit + 1))
     if DEVICE == "cpu":
-        assert resolve_backend("auto", small[0], small[1]) == "eager"
-        assert resolve_backend("auto", large[0], large[1]) == "tiled"
+        assert resolve_backend("auto", query, keys_at_limit) == "eager"
+        assert resolve_backend("auto", query, keys_above) == "tiled"
     with pytest.raises(ValueError, match="backend must be one of"):
-        resolve_backend("flash", small[0])
+        resolve_backend("flash", query)
 
 
 def test_triton_unavailable_is_an_error(monkeypatch):
