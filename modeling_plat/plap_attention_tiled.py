@@ -132,7 +132,7 @@ class _Tiling:
         self.k = key.flatten(0, 1)  # (BH, Nk, d)
         self.v = value.flatten(0, 1)  # (BH, Nk, dv)
         self.v_query = self.v[:, self.offset :]  # (BH, Nq, dv): each query's own value
-        self.sq_norm = torch.linalg.vector_norm(self.v, dim=-1).square_()  # (BH, Nk)
+        self.sq_norm = self.v.pow(2).sum(-1)  # (BH, Nk)
         self.sq_norm_query_eps = self.sq_norm[:, self.offset :] + eps  # (BH, Nq)
 
     def new_tile_buffer(self):
