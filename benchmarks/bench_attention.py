@@ -5,11 +5,15 @@ For every shape and backend: forward time, forward+backward time (median over --
 the same run. Backends run round-robin within each repeat, so that drifts of a shared machine hit them
 alike. Gradients are taken with torch.autograd.grad against a fixed random output gradient.
 
+Every printed row and every JSON/CSV row carries the machine it was measured on (CPU model, physical cores,
+threads, torch version; see machine.py): the ratios depend on the CPU far more than on anything else.
+
 Peak memory: on CUDA, torch.cuda.max_memory_allocated above the memory held before the call. On CPU,
 the peak of live bytes allocated through PyTorch's allocator during the call, summed in time order from
 the profiler's memory events (profile_memory=True): the extra memory the call needs above its inputs,
 without scratch space that libraries allocate themselves (oneDNN/MKL) or allocator caching.
 
+    python benchmarks/bench_attention.py --shapes deit-tiny paper-lm --threads 1 --backends sdpa auto tiled eager
     python benchmarks/bench_attention.py --shapes deit-tiny paper-lm --out results/attention
     python benchmarks/bench_attention.py --shapes long-1k long-4k --backends tiled eager --repeats 3
 """
@@ -18,7 +22,6 @@ import argparse
 import csv
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -29,17 +32,19 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from machine import facts_label, machine_facts  # noqa: E402
 from modeling_plat.plap_attention import plap_attention, resolve_backend  # noqa: E402
 
 # name: (batch, heads, length, head size, causal, p per head)
 SHAPES = {
     "deit-tiny": (32, 3, 197, 64, False, [1.5, 1.5, 2.5]),  # DeiT-tiny/16 at 224px: 196 patches + CLS
     "paper-lm": (16, 8, 256, 16, True, [1.5] * 4 + [2.5] * 4),  # the paper's language model
+    "ptb-tiny": (32, 8, 128, 16, True, [1.5] * 4 + [2.5] * 4),  # the plat-ptb-tiny preset, batch 32
     "long-1k": (1, 2, 1024, 64, True, [1.5, 2.5]),
     "long-4k": (1, 2, 4096, 64, True, [1.5, 2.5]),
     "long-16k": (1, 2, 16384, 64, True, [1.5, 2.5]),
 }
-BACKENDS = ("sdpa", "eager", "tiled", "triton")
+BACKENDS = ("sdpa", "auto", "eager", "tiled", "triton")
 # The eager backend holds several (B, H, N, N) float32 tensors; above this many scores it is skipped.
 EAGER_MAX_SCORES = 2**28
 
@@ -139,10 +144,11 @@ def bench_shape(name, backends, device, dtype, formulation, warmup, repeats, mea
     return rows
 
 
-def print_table(rows):
+def print_table(rows, facts):
     header = f"{'shape':<10} {'backend':<7} {'fwd ms':>9} {'x sdpa':>7} {'fwd+bwd ms':>11} {'x sdpa':>7} {'peak MiB':>9} {'x sdpa':>7}"
-    print(header)
-    print("-" * len(header))
+    print(header + "  machine")
+    print("-" * (len(header) + 9))
+    label = facts_label(facts)
     for r in rows:
         if r["status"] != "ok":
             print(f"{r['shape']:<10} {r['backend']:<7} {r['status']}")
@@ -150,7 +156,7 @@ def print_table(rows):
         print(
             f"{r['shape']:<10} {r['backend']:<7} {r['fwd_ms']:>9.2f} {r.get('fwd_ratio', float('nan')):>7.2f} "
             f"{r['fwd_bwd_ms']:>11.2f} {r.get('fwd_bwd_ratio', float('nan')):>7.2f} {r['peak_mib']:>9.2f} "
-            f"{r.get('peak_ratio', float('nan')):>7.2f}"
+            f"{r.get('peak_ratio', float('nan')):>7.2f}  {label}"
         )
 
 
@@ -171,10 +177,9 @@ def main():
         torch.set_num_threads(args.threads)
     backends = ["sdpa"] + [b for b in args.backends if b != "sdpa"]  # the baseline of every ratio
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    facts = machine_facts(device)
     env = dict(
-        device=torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-        threads=torch.get_num_threads(),
-        torch=torch.__version__,
+        **facts,
         dtype=args.dtype,
         formulation=args.formulation,
         warmup=args.warmup,
@@ -188,7 +193,9 @@ def main():
             name, backends, device, dtype, args.formulation, args.warmup, args.repeats, not args.no_memory
         )
     env["load_average_after"] = os.getloadavg()
-    print_table(rows)
+    for row in rows:
+        row.update(facts)
+    print_table(rows, facts)
     print(f"load average before {env['load_average_before']}, after {env['load_average_after']}")
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)

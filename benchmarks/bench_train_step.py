@@ -4,9 +4,13 @@ Pairs, each timed as the median of --repeats steps after --warmup steps, round-r
 - vision: p-LaT DeiT-tiny/16 (12 layers x 192, 3 heads, p = 1.5, 1.5, 2.5; 224px, 1000 classes) vs
   transformers' ViTForImageClassification of the same sizes with SDPA attention, and p-LaT with p = 2;
 - lm: the paper's p-LaT LM (16 layers x 128, 8 heads, context 256, p = 4 x 1.5 + 4 x 2.5; 10k vocabulary)
-  vs GPT2LMHeadModel of the same sizes with SDPA attention, and p-LaT with p = 2.
-Dropout is 0 everywhere (attention dropout would route p-LaT to the eager reference).
+  vs GPT2LMHeadModel of the same sizes with SDPA attention, and p-LaT with p = 2;
+- ptb: the plat-ptb-tiny preset's model (4 layers x 128, 8 heads, context 128, p = 4 x 1.5 + 4 x 2.5, 10k
+  vocabulary, hidden dropout 0.1; batch 32) vs its softmax-ptb-tiny twin (the same with p = 2).
+Attention dropout is 0 everywhere (it would route p-LaT to the eager reference); hidden dropout is 0 except
+in the ptb pair, which copies its presets. Each printed ratio carries the machine it was measured on.
 
+    python benchmarks/bench_train_step.py --pairs vision lm ptb --threads 1 --repeats 5
     python benchmarks/bench_train_step.py --pairs vision lm --out results/train_step
 """
 
@@ -23,10 +27,12 @@ from transformers import AutoModelForCausalLM, AutoModelForImageClassification, 
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from machine import facts_label, machine_facts  # noqa: E402
 from modeling_plat import PlatConfig, PlatForCausalLM, PlatForImageClassification, PlatVisionConfig  # noqa: E402
 
 DEIT_TINY = dict(hidden_size=192, num_hidden_layers=12, num_attention_heads=3, intermediate_size=768)
 PAPER_LM = dict(hidden_size=128, num_hidden_layers=16, num_attention_heads=8, intermediate_size=512)
+PTB_TINY = dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=8, intermediate_size=512)
 
 
 def vision_models(backend):
@@ -51,20 +57,31 @@ def lm_models(backend):
     }
 
 
+def ptb_models(backend):
+    plat = dict(**PTB_TINY, vocab_size=10000, max_position_embeddings=128, hidden_dropout_prob=0.1,
+                attention_probs_dropout_prob=0.0, plap_backend=backend)  # fmt: skip
+    return {
+        "plat-ptb-tiny": PlatForCausalLM(PlatConfig(**plat, plap_p=[1.5] * 4 + [2.5] * 4)),
+        "softmax-ptb-tiny": PlatForCausalLM(PlatConfig(**plat, plap_p=2.0)),
+    }
+
+
+PAIRS = {"vision": (vision_models, 8), "lm": (lm_models, 16), "ptb": (ptb_models, 32)}
+
+
 def batches(pair, batch_size):
     gen = torch.Generator().manual_seed(0)
     if pair == "vision":
         pixels = torch.randn(batch_size, 3, 224, 224, generator=gen)
         return dict(pixel_values=pixels, labels=torch.randint(0, 1000, (batch_size,), generator=gen))
-    tokens = torch.randint(0, 10000, (batch_size, 256), generator=gen)
+    tokens = torch.randint(0, 10000, (batch_size, 128 if pair == "ptb" else 256), generator=gen)
     return dict(input_ids=tokens, labels=tokens)
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--pairs", nargs="+", choices=["vision", "lm"], default=["vision", "lm"])
-    parser.add_argument("--vision-batch", type=int, default=8)
-    parser.add_argument("--lm-batch", type=int, default=16)
+    parser.add_argument("--pairs", nargs="+", choices=list(PAIRS), default=list(PAIRS))
+    parser.add_argument("--batch", type=int, help="batch size of every pair (default: 8 vision, 16 lm, 32 ptb)")
     parser.add_argument("--backend", default="auto", help="plap_backend of the p-LaT models")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)
@@ -74,12 +91,16 @@ def main():
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    env = dict(threads=torch.get_num_threads(), torch=torch.__version__, backend=args.backend,
-               warmup=args.warmup, repeats=args.repeats, load_average_before=os.getloadavg())  # fmt: skip
+    facts = machine_facts(torch.device("cpu"))
+    env = dict(**facts, backend=args.backend, warmup=args.warmup, repeats=args.repeats,
+               load_average_before=os.getloadavg())  # fmt: skip
+    print(json.dumps(env))
+    label = facts_label(facts)
     results = {}
     for pair in args.pairs:
-        models = vision_models(args.backend) if pair == "vision" else lm_models(args.backend)
-        inputs = batches(pair, args.vision_batch if pair == "vision" else args.lm_batch)
+        build_models, default_batch = PAIRS[pair]
+        models = build_models(args.backend)
+        inputs = batches(pair, args.batch or default_batch)
         optimizers = {name: torch.optim.AdamW(model.parameters(), lr=1e-4) for name, model in models.items()}
         times = {name: [] for name in models}
         for step in range(args.warmup + args.repeats):
@@ -95,8 +116,10 @@ def main():
         baseline = statistics.median(times[names[-1]])
         for name in names:
             median = statistics.median(times[name])
-            results[name] = dict(pair=pair, step_s=median, ratio_to_sdpa=median / baseline)
-            print(f"{name:<20} {median:8.3f} s/step  {median / baseline:5.2f} x {names[-1]}")
+            spread = (min(times[name]) / baseline, max(times[name]) / baseline)
+            results[name] = dict(pair=pair, step_s=median, ratio=median / baseline, baseline=names[-1],
+                                 ratio_range=spread, **facts)  # fmt: skip
+            print(f"{name:<20} {median:8.3f} s/step  {median / baseline:5.2f} x {names[-1]:<20} {label}")
     env["load_average_after"] = os.getloadavg()
     print(f"load average before {env['load_average_before']}, after {env['load_average_after']}")
     if args.out:

@@ -15,13 +15,17 @@ eps = 1e-6 is below fp16 resolution and the (p - 4) / 2 powers of the backward o
 """
 
 import torch
+import torch.nn.functional as F
+from torch.utils.weak import WeakIdKeyDictionary
 
 FORMULATIONS = ("paper", "euler")
 BACKENDS = ("auto", "eager", "tiled", "triton")
-# Up to this many scores in all (B * H * Nq * Nk) the eager path beats the tiled one on CPU (its few
-# kernels cost less than the tiled loop's fixed overhead; measured fwd+bwd, 1 thread: tie at 8 * 4 * 16 * 16,
-# tiled 1.3x faster at 8 * 4 * 32 * 32).
-EAGER_MAX_SCORES_CPU = 8192
+# Per intra-op thread, up to this many scores in all (B * H * Nq * Nk, the heads with p != 2) the eager path
+# beats the tiled one on CPU: its few large kernels cost less than the tiled loop's fixed per-call overhead.
+# Measured fwd+bwd, float32, p = 1.5 / 2.5, B = 1 / 4 / 16, H = 4, N = 8 ... 256, d = 16 and 64, causal or
+# not (AMD EPYC, torch 2.13): with 1 thread eager and tiled tie between 16k and 64k scores at d = 16 and
+# between 64k and 256k at d = 64; with 2 threads the ties move to 64k-256k and ~256k.
+EAGER_MAX_SCORES_PER_THREAD_CPU = 65536
 
 
 def _allowed_positions(attn_mask, is_causal, num_queries, num_keys, device):
@@ -144,12 +148,19 @@ def _check_inputs(query, key, value, p, attn_mask, eps, formulation):
 
 
 def resolve_backend(backend, query, key=None, attn_mask=None, p=None):
-    """The backend that ``backend`` names for this input; "auto" picks the fastest correct one.
+    """The backend that ``backend`` names for this input's heads with p != 2; "auto" picks the fastest correct one.
 
     eager: the reference above, (B, H, Nq, Nk) memory, any input, the only one that differentiates p.
     tiled: plap_attention_tiled.py, O(N) extra memory, any input except a p that requires grad.
     triton: plap_attention_triton.py, fused kernels for CUDA (or CPU under TRITON_INTERPRET=1),
         float32/bfloat16/float16, masks broadcastable to (B, 1, 1, Nk) (key padding) only.
+    Heads with p = 2 are softmax attention exactly and ``plap_attention`` runs them through SDPA whatever the
+    backend, unless p requires grad (see ``head_groups``).
+
+    "auto", by measured crossovers: eager when p requires grad; on CUDA triton where it can run the input;
+    on CPU eager up to EAGER_MAX_SCORES_PER_THREAD_CPU scores (B * H * Nq * Nk, counting the heads with
+    p != 2 only) per intra-op thread, tiled above (O(N) memory); tiled otherwise. Heads with p = 2 take
+    SDPA on every device and size: one fused kernel, faster than either.
     An explicit choice that cannot run the input raises a ValueError saying why; it is never replaced.
     """
     if backend not in BACKENDS:
@@ -164,7 +175,8 @@ def resolve_backend(backend, query, key=None, attn_mask=None, p=None):
             if triton_unsupported_reason(query, attn_mask) is None:
                 return "triton"
         num_keys = query.shape[-2] if key is None else key.shape[-2]
-        small = query.device.type == "cpu" and query.shape[:-1].numel() * num_keys <= EAGER_MAX_SCORES_CPU
+        scores = query.shape[:-1].numel() * num_keys
+        small = query.device.type == "cpu" and scores <= EAGER_MAX_SCORES_PER_THREAD_CPU * torch.get_num_threads()
         return "eager" if small else "tiled"
     if backend != "eager" and p_trains:
         raise ValueError(f"backend {backend!r} computes no gradient for p, which requires grad; use 'eager'")
@@ -175,6 +187,76 @@ def resolve_backend(backend, query, key=None, attn_mask=None, p=None):
         if reason is not None:
             raise ValueError(f"backend 'triton' cannot run this input: {reason}")
     return backend
+
+
+# Host copies of p per tensor object and in-place version: a GPU synchronises once per p tensor, not per call.
+_HOST_P = WeakIdKeyDictionary()
+
+
+def head_groups(p):
+    """Runs of consecutive heads as (first, end, softmax), softmax True for a run of p = 2 heads.
+
+    One run of every head when p's values cannot be read without breaking a compiled graph, or when p
+    requires grad (SDPA has no gradient for p).
+    """
+    num_heads = p.shape[0]
+    if torch.compiler.is_compiling() or (p.requires_grad and torch.is_grad_enabled()):
+        return [(0, num_heads, False)]
+    if p.device.type == "cpu":
+        values = p.tolist()
+    else:
+        version, values = _HOST_P.get(p, (None, None))
+        if version != p._version:
+            values = p.tolist()
+            _HOST_P[p] = (p._version, values)
+    groups = []
+    for head, value in enumerate(values):
+        softmax = value == 2
+        if groups and groups[-1][2] == softmax:
+            groups[-1] = (groups[-1][0], head + 1, softmax)
+        else:
+            groups.append((head, head + 1, softmax))
+    return groups
+
+
+def _heads(tensor, first, end, num_heads):
+    """Heads [first, end) of a (B|1, H|1, ...) tensor (a mask broadcast over heads stays whole)."""
+    if tensor is None or (first, end) == (0, num_heads):
+        return tensor
+    four_d = tensor.view((1,) * (4 - tensor.dim()) + tuple(tensor.shape))  # (B|1, H|1, Nq|1, Nk|1)
+    return four_d if four_d.shape[1] == 1 else four_d[:, first:end]
+
+
+def softmax_attention(query, key, value, attn_mask=None, is_causal=False):
+    """Softmax attention (p = 2) through ``scaled_dot_product_attention``, with this module's conventions.
+
+    Causal masking bottom-right aligned (SDPA's own is top-left when Nq < Nk); rows with no allowed key
+    output zeros with zero gradients (some SDPA kernels give NaN there); the output in ``query``'s dtype.
+    """
+    num_queries, num_keys = query.shape[-2], key.shape[-2]
+    sdpa_causal = is_causal and attn_mask is None and num_queries == num_keys
+    allowed = None
+    if not sdpa_causal:
+        allowed = _allowed_positions(attn_mask, is_causal and num_queries > 1, num_queries, num_keys, query.device)
+    with torch.autocast(query.device.type, enabled=False):
+        key, value = key.to(query.dtype), value.to(query.dtype)
+        if allowed is None:
+            return F.scaled_dot_product_attention(query, key, value, is_causal=sdpa_causal)
+        has_key = allowed.any(-1, keepdim=True)
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=allowed | ~has_key)
+        return torch.where(has_key, out, 0)
+
+
+def _run_backend(backend, query, key, value, p, attn_mask, is_causal, eps, formulation):
+    if backend == "tiled":
+        from .plap_attention_tiled import plap_attention_tiled
+
+        return plap_attention_tiled(query, key, value, p, attn_mask, is_causal, eps, formulation)
+    if backend == "triton":
+        from .plap_attention_triton import plap_attention_triton
+
+        return plap_attention_triton(query, key, value, p, attn_mask, is_causal, eps, formulation)
+    return _eager(query, key, value, p, attn_mask, is_causal, eps, formulation)
 
 
 def plap_attention(
@@ -191,7 +273,8 @@ def plap_attention(
         is_causal: causal mask, bottom-right aligned when Nq < Nk.
         eps: added to the squared distances before the power.
         formulation: "paper" (eq. 12) or "euler" (exact Euler step of eq. 7).
-        backend: "auto" or one of ``BACKENDS`` (see ``resolve_backend``).
+        backend: "auto" or one of ``BACKENDS`` (see ``resolve_backend``); each run of consecutive heads
+            with p = 2 goes to ``softmax_attention`` instead (SDPA; exact for both formulations).
 
     Returns:
         (B, H, Nq, dv) tensor in the dtype of ``query``; rows with every key masked are zero.
@@ -200,13 +283,16 @@ def plap_attention(
     if p.dim() == 0:
         p = p.expand(query.shape[1])
     _check_inputs(query, key, value, p, attn_mask, eps, formulation)
-    backend = resolve_backend(backend, query, key, attn_mask, p)
-    if backend == "tiled":
-        from .plap_attention_tiled import plap_attention_tiled
-
-        return plap_attention_tiled(query, key, value, p, attn_mask, is_causal, eps, formulation)
-    if backend == "triton":
-        from .plap_attention_triton import plap_attention_triton
-
-        return plap_attention_triton(query, key, value, p, attn_mask, is_causal, eps, formulation)
-    return _eager(query, key, value, p, attn_mask, is_causal, eps, formulation)
+    resolve_backend(backend, query, key, attn_mask, p)  # an explicit backend that cannot run the input raises
+    num_heads = query.shape[1]
+    outputs = []
+    for first, end, softmax in head_groups(p):
+        q, k, v = (_heads(t, first, end, num_heads) for t in (query, key, value))
+        mask = _heads(attn_mask, first, end, num_heads)
+        if softmax:
+            outputs.append(softmax_attention(q, k, v, mask, is_causal))
+        else:
+            group_p = p[first:end]
+            group_backend = resolve_backend(backend, q, k, mask, group_p)
+            outputs.append(_run_backend(group_backend, q, k, v, group_p, mask, is_causal, eps, formulation))
+    return outputs[0] if len(outputs) == 1 else torch.cat(outputs, 1)  # (B, H, Nq, dv)

@@ -10,13 +10,27 @@ so that no (B, H, Nq, Nk) tensor is ever held:
 - backward: recomputes each tile from q, k, v and the saved row logsumexp; saves only O(N) per row
   (the output, the logsumexp and, for euler, the row sum of W_off).
 
-Backward (per head, A = softmax(S), W = A * P, dU the output gradient, G = dU V^T, c = (p - 2) / 2):
+Backward (per head, A = softmax(S), W = A * P, Z = D2 + eps, dU the output gradient, G = dU V^T,
+c = (p - 2) / 2):
     paper:  dW = G                      Drow = rowsum(W * dW) = rowsum(dU * U)
     euler:  dW = G - dU.v_x, 0 on self  Drow = rowsum(dU * (U - v_x)), and dv_x += dU (1 - rowsum W_off)
     dV  += W_used^T dU                  (W_used = W, or W_off for euler)
-    dS   = W_used * dW - A * Drow       (softmax backward; dq = dS k / sqrt(d), dk = dS^T q / sqrt(d))
-    Gd   = dL/dD2 = c (D2 + eps)^(c - 1) * A * dW_used = c * W_used * dW / (D2 + eps), 0 on self pairs
-    dv_x += 2 (rowsum(Gd) v_x - Gd V),  dV += 2 (colsum(Gd) V - Gd^T V_q)     (D2 = |v_x - v_y|^2)
+    T    = W_used * dW
+    dS   = T - A * Drow                 (softmax backward; dq = dS k / sqrt(d), dk = dS^T q / sqrt(d))
+    Gd   = dL/dD2 = c (D2 + eps)^(c - 1) * A * dW_used = c * Y with Y = T / Z, 0 on self pairs
+    dv_x += 2 c (rowsum(Y) v_x - Y V),  dV += 2 c (colsum(Y) V - Y^T V_q)     (D2 = |v_x - v_y|^2)
+
+Where CPU time goes (per-op CPU time, paper LM and DeiT-tiny shapes, one core): the matmuls, 11 per tile
+against SDPA's 7, take about half at head size 16 and three quarters at 64; the rest is elementwise passes
+over the tiles and Python's per-call cost. Hence:
+- scores are kept in log2 units (the queries are pre-scaled by log2(e) / sqrt(d)) so that the softmax uses
+  exp2, which PyTorch vectorises itself on every x86 CPU; exp goes to MKL's vector maths where MKL is linked,
+  4x slower on AMD CPUs and 20x for results below float32's normal range (see ``_power`` for the powers);
+- each tile is written once by a matmul and then updated in place (A becomes dS, G becomes T then Y), in a
+  few scratch buffers allocated once per call; the backward forms four tiles per step (A, D2 + eps, W, G);
+- no (B, H, N, d) temporaries beyond the outputs: the score scale rides in the matmul's alpha, row sums and
+  the 2 c factor of the distance gradient are applied per query block. Fresh multi-MiB tensors cost page
+  faults on every call (~20% of the DeiT-tiny fwd+bwd before this, in system time).
 
 The gradient with respect to p is not computed: p is a fixed buffer in p-LaT models. ``plap_attention``
 routes a ``p`` that requires grad to the eager backend under "auto"; this module refuses it.
@@ -26,20 +40,20 @@ import math
 
 import torch
 
-# Scores per tile, all heads of a batch block together: 2**18 float32 = 1 MiB, so that the dozen
-# elementwise passes over a tile run in cache, while the matmuls stay large enough to be efficient.
+# Scores per tile, all heads of a batch block together: 2**18 float32 = 1 MiB per tile buffer. Measured
+# fwd+bwd (paper LM, ptb-tiny and DeiT-tiny shapes, 1 and 2 threads, AMD EPYC): 2**17 and 2**19 within the
+# run-to-run spread (~10%) of 2**18; smaller tiles pay more per-call overhead, larger ones leave the cache.
 TILE_ELEMENTS = 1 << 18
 # Longest key block. Shorter sequences take all their keys in one block (no online rescaling);
 # longer ones are split so that a tile's rows stay long enough for efficient matmuls.
 MAX_BLOCK_K = 1024
-# Lower bound on the exponents of the softmax: PyTorch's vectorised CPU exp takes a ~50x slower path
-# for inputs whose result is below float32's smallest normal (~exp(-87.3)), and ~3x for -inf (masked
-# scores). Clamping costs a cheap pass and only lifts weights below 1.6e-38 (masked pairs included) to
-# 1.6e-38, far below rounding; rows with no allowed key are recognised by their running max instead.
-MIN_EXPONENT = -87.0
-# Causal query blocks are kept short so that the key range of each (cut at the diagonal) skips most of
-# the masked upper triangle.
-CAUSAL_BLOCK_Q = 64
+# Causal query blocks are kept short so that the key range of each (cut at the diagonal) skips most of the
+# masked upper triangle: at most N / CAUSAL_BLOCKS_PER_SEQUENCE rows (the work past the diagonal is then
+# ~1 / (2 * 8) of the total), at least MIN_CAUSAL_BLOCK_Q. Measured: 32 rows beat 64 by 5-15% at N = 128 and
+# 256; at N = 4k, 128 rows run 1.6x faster than 32 (1 and 2 threads).
+CAUSAL_BLOCKS_PER_SEQUENCE = 8
+MIN_CAUSAL_BLOCK_Q = 32
+LOG2_E = 1 / math.log(2)
 
 
 def _block_sizes(batch, heads, num_queries, num_keys, is_causal):
@@ -47,7 +61,7 @@ def _block_sizes(batch, heads, num_queries, num_keys, is_causal):
     block_k = min(num_keys, MAX_BLOCK_K)
     block_q = max(16, TILE_ELEMENTS // (heads * block_k))
     if is_causal:
-        block_q = min(block_q, CAUSAL_BLOCK_Q)
+        block_q = min(block_q, max(MIN_CAUSAL_BLOCK_Q, num_queries // CAUSAL_BLOCKS_PER_SEQUENCE))
     block_q = min(block_q, num_queries)
     block_b = min(batch, max(1, TILE_ELEMENTS // (heads * block_q * block_k)))
     return block_b, block_q, block_k
@@ -64,20 +78,25 @@ def _exponent_runs(exponents):
     return tuple(runs)
 
 
-def _power(base, runs, heads):
-    """base ** c per head, base of shape (bb * H, bq, bk); square-root chains where c allows (p = 1, 1.5, 2.5, 3)."""
-    out = torch.empty_like(base)
+def _power(base, out, runs, heads):
+    """out = base ** c per head, (bb * H, bq, bk) tiles, base > 0; out may be base (so each chain reads base once).
+
+    Chains of rsqrt where c allows (p = 1, 1.5, 2.5, 3). PyTorch evaluates rsqrt, exp2 and arithmetic with its
+    own vector code on every x86 CPU, while sqrt, exp, log and pow go to MKL's vector maths where MKL is
+    linked, whose speed depends on the CPU vendor: on one AMD EPYC core per float32, rsqrt 0.28 ns,
+    sqrt 0.42 ns, pow 1.9 ns (pow 8 ns with AVX2 kernels).
+    """
     base4, out4 = base.unflatten(0, (-1, heads)), out.unflatten(0, (-1, heads))  # (bb, H, bq, bk)
     for first, end, c in runs:
         x, y = base4[:, first:end], out4[:, first:end]
         if c == 0:
             y.fill_(1)
         elif c == 0.25:
-            torch.sqrt(x, out=y).sqrt_()
+            torch.rsqrt(x, out=y).rsqrt_()
         elif c == -0.25:
-            torch.sqrt(x, out=y).rsqrt_()
+            torch.rsqrt(x, out=y).rsqrt_().reciprocal_()
         elif c == 0.5:
-            torch.sqrt(x, out=y)
+            torch.rsqrt(x, out=y).reciprocal_()
         elif c == -0.5:
             torch.rsqrt(x, out=y)
         else:
@@ -88,6 +107,11 @@ def _power(base, runs, heads):
 def _narrow(tensor, dim, start, end):
     """tensor[start:end] along dim, unless that dim is broadcast (size 1)."""
     return tensor if tensor.shape[dim] == 1 else tensor.narrow(dim, start, end - start)
+
+
+def _tile(buffer, *shape):
+    """A contiguous view of the first elements of a flat scratch buffer: tiles reuse memory, never allocate."""
+    return buffer[: math.prod(shape)].view(shape)
 
 
 class _Tiling:
@@ -102,18 +126,18 @@ class _Tiling:
         self.offset = self.num_keys - self.num_queries  # query i is the token at key position offset + i
         self.scale = 1 / math.sqrt(head_dim)
         self.runs, self.bias, self.is_causal, self.eps, self.euler = runs, bias, is_causal, eps, euler
-        self.needs_distance = any(c != 0 for _, _, c in runs)
         self.block_b, self.block_q, self.block_k = blocks
         self._causal_biases = {}
-        self.q = (query * self.scale).flatten(0, 1)  # (BH, Nq, d), pre-scaled
+        self.q = query.flatten(0, 1)  # (BH, Nq, d)
         self.k = key.flatten(0, 1)  # (BH, Nk, d)
         self.v = value.flatten(0, 1)  # (BH, Nk, dv)
         self.v_query = self.v[:, self.offset :]  # (BH, Nq, dv): each query's own value
-        if self.needs_distance:
-            self.sq_norm = self.v.pow(2).sum(-1)  # (BH, Nk)
-            self.sq_norm_query_eps = self.sq_norm[:, self.offset :] + eps  # (BH, Nq)
-            self.c = torch.tensor([c for first, end, c in runs for _ in range(first, end)], dtype=query.dtype)
-            self.c = self.c.to(query.device).view(1, -1, 1, 1)  # (1, H, 1, 1)
+        self.sq_norm = self.v.pow(2).sum(-1)  # (BH, Nk)
+        self.sq_norm_query_eps = self.sq_norm[:, self.offset :] + eps  # (BH, Nq)
+
+    def new_tile_buffer(self):
+        """Scratch memory for one tile, reused by every tile of a call."""
+        return self.q.new_empty(self.block_b * self.heads * self.block_q * self.block_k)
 
     def query_blocks(self):
         for b0 in range(0, self.batch, self.block_b):
@@ -131,9 +155,11 @@ class _Tiling:
         """View of a (bh, bq, bk) tile's self pairs (query q0 + i against key offset + q0 + i)."""
         return torch.diagonal(tile, offset=self.offset + q0 - k0, dim1=1, dim2=2)
 
-    def scores(self, rows, b0, b1, q0, q1, k0, k1):
-        """Scaled, masked scores of a tile, (bh, bq, bk); masked pairs are -inf."""
-        scores = torch.bmm(self.q[rows, q0:q1], self.k[rows, k0:k1].transpose(1, 2))  # (bh, bq, bk)
+    def scores(self, rows, b0, b1, q0, q1, k0, k1, buffer):
+        """Scaled, masked scores of a tile in log2 units, (bh, bq, bk) in ``buffer``; masked pairs are -inf."""
+        scores = _tile(buffer, rows.stop - rows.start, q1 - q0, k1 - k0).baddbmm_(
+            self.q[rows, q0:q1], self.k[rows, k0:k1].transpose(1, 2), beta=0, alpha=self.scale * LOG2_E
+        )  # (bh, bq, bk); beta=0 ignores the buffer's old contents
         if self.bias is not None:
             bias = _narrow(_narrow(_narrow(self.bias, 0, b0, b1), 2, q0, q1), 3, k0, k1)
             scores.unflatten(0, (-1, self.heads)).add_(bias)
@@ -152,115 +178,130 @@ class _Tiling:
             )
         return self._causal_biases[key]
 
-    def distances_eps(self, rows, q0, q1, k0, k1):
-        """D2 + eps of a tile, (bh, bq, bk), from |v_x|^2 + |v_y|^2 - 2 v_x.v_y; self pairs exactly eps."""
-        dist = torch.baddbmm(
-            self.sq_norm[rows, None, k0:k1], self.v_query[rows, q0:q1], self.v[rows, k0:k1].transpose(1, 2), alpha=-2
+    def distances_eps(self, rows, q0, q1, k0, k1, buffer):
+        """D2 + eps of a tile, (bh, bq, bk) in ``buffer``: the one place where distances are formed.
+
+        |v_x|^2 + eps + |v_y|^2 (one broadcast add) - 2 v_x.v_y (one matmul accumulating onto it), like
+        torch.cdist; clamped at eps against rounding; self pairs exactly eps.
+        """
+        dist = torch.add(
+            self.sq_norm_query_eps[rows, q0:q1, None],
+            self.sq_norm[rows, None, k0:k1],
+            out=_tile(buffer, rows.stop - rows.start, q1 - q0, k1 - k0),
         )  # (bh, bq, bk)
-        dist.add_(self.sq_norm_query_eps[rows, q0:q1, None]).clamp_min_(self.eps)
+        dist.baddbmm_(self.v_query[rows, q0:q1], self.v[rows, k0:k1].transpose(1, 2), alpha=-2).clamp_min_(self.eps)
         self.self_diagonal(dist, q0, k0).fill_(self.eps)
         return dist
 
+    def plap_weights(self, attn, dist, q0, k0, out):
+        """W_used = A * (D2 + eps) ** c into ``out`` (which may be ``dist``); self pairs zeroed for euler."""
+        weights = _power(dist, out, self.runs, self.heads).mul_(attn)
+        if self.euler:
+            self.self_diagonal(weights, q0, k0).fill_(0)
+        return weights
+
 
 def _forward(tiling):
-    """Output (BH, Nq, dv), row logsumexp (BH, Nq; +inf on fully masked rows), rowsum(W_off) for euler."""
+    """Output (BH, Nq, dv), row logsumexp in log2 units (BH, Nq; +inf on fully masked rows) and, for euler, the
+    weight 1 - rowsum(W_off) of each query's own value (BH, Nq; 0 on fully masked rows)."""
     t = tiling
     bh_all, dtype = t.q.shape[0], t.q.dtype
     out = t.q.new_empty(bh_all, t.num_queries, t.v.shape[-1])
     lse = t.q.new_empty(bh_all, t.num_queries)
-    off_rowsum = t.q.new_empty(bh_all, t.num_queries) if t.euler else None
+    own_weight = t.q.new_empty(bh_all, t.num_queries) if t.euler else None
+    scores_buffer, dist_buffer = t.new_tile_buffer(), t.new_tile_buffer()
     for b0, b1, rows, q0, q1 in t.query_blocks():
         first = True
         for k0, k1 in t.key_blocks(q0, q1):
-            weights = t.scores(rows, b0, b1, q0, q1, k0, k1)
-            tile_max = weights.amax(-1, keepdim=True)  # (bh, bq, 1)
-            # The running max starts at the lowest finite value, so rows masked so far give exp(-inf) = 0.
+            exp_scores = t.scores(rows, b0, b1, q0, q1, k0, k1, scores_buffer)
+            tile_max = exp_scores.amax(-1, keepdim=True)  # (bh, bq, 1)
+            # The running max starts at the lowest finite value, so rows masked so far give exp2(-inf) = 0.
             new_max = tile_max.clamp_min(torch.finfo(dtype).min) if first else torch.maximum(row_max, tile_max)
-            weights.sub_(new_max).clamp_min_(MIN_EXPONENT).exp_()
-            tile_sum = weights.sum(-1, keepdim=True)
-            if t.needs_distance:
-                weights.mul_(_power(t.distances_eps(rows, q0, q1, k0, k1), t.runs, t.heads))
-            if t.euler:
-                t.self_diagonal(weights, q0, k0).fill_(0)
+            exp_scores.sub_(new_max).exp2_()
+            tile_sum = exp_scores.sum(-1, keepdim=True)
+            dist = t.distances_eps(rows, q0, q1, k0, k1, dist_buffer)
+            weights = t.plap_weights(exp_scores, dist, q0, k0, out=dist)
             values = t.v[rows, k0:k1]
             if first:
                 row_sum, acc = tile_sum, torch.bmm(weights, values)  # (bh, bq, 1), (bh, bq, dv)
                 w_sum = weights.sum(-1, keepdim=True) if t.euler else None
             else:
-                rescale = torch.exp(row_max - new_max)
+                rescale = torch.exp2(row_max - new_max)
                 row_sum = row_sum.mul_(rescale).add_(tile_sum)
                 acc.mul_(rescale).baddbmm_(weights, values)
                 if t.euler:
                     w_sum.mul_(rescale).add_(weights.sum(-1, keepdim=True))
             row_max, first = new_max, False
         valid = row_max > torch.finfo(dtype).min  # rows with at least one key allowed; the others output zeros
-        inv_sum = torch.where(valid, row_sum.reciprocal(), 0)  # exact zeros, not 1.6e-38-weighted means
+        inv_sum = torch.where(valid, row_sum.reciprocal(), 0)
         out_block = acc.mul_(inv_sum)
         if t.euler:
-            w_sum.mul_(inv_sum)  # rowsum(W_off), 0 on fully masked rows
-            out_block.addcmul_(torch.where(valid, 1 - w_sum, 0), t.v_query[rows, q0:q1])
-            off_rowsum[rows, q0:q1] = w_sum.squeeze(-1)
+            own_block = torch.where(valid, 1 - w_sum.mul_(inv_sum), 0)  # 1 - rowsum(W_off), (bh, bq, 1)
+            out_block.addcmul_(own_block, t.v_query[rows, q0:q1])
+            own_weight[rows, q0:q1] = own_block.squeeze(-1)
         out[rows, q0:q1] = out_block
-        lse[rows, q0:q1] = torch.where(valid, row_max + row_sum.log(), math.inf).squeeze(-1)
-    return out, lse, off_rowsum
+        lse[rows, q0:q1] = torch.where(valid, row_max + row_sum.log2(), math.inf).squeeze(-1)
+    return out, lse, own_weight
 
 
-def _backward(tiling, out, lse, off_rowsum, grad_out):
-    """Gradients (BH, N, d) of q, k, v from the saved O(N) statistics, recomputing every tile."""
+def _backward(tiling, out, lse, own_weight, grad_out):
+    """Gradients (BH, N, d) of q, k, v from the saved O(N) statistics, recomputing every tile.
+
+    Four tiles per step, each written once and updated in place: A (then dS), D2 + eps, W, G (then T, then Y).
+    Rows with no allowed key need no masking: their A, hence W, T, dS and Y, are exact zeros, and so is their
+    own_weight.
+    """
     t = tiling
-    grad_out = grad_out.masked_fill(torch.isinf(lse)[..., None], 0)  # fully masked rows are constant zeros
-    if t.euler:
-        # dU_x . v_x is the part of G that the subtraction of rowsum(W_off) v_x takes back.
-        grad_own = (grad_out * t.v_query).sum(-1)  # (BH, Nq)
-        row_dot = (grad_out * out).sum(-1) - grad_own
-    else:
-        row_dot = (grad_out * out).sum(-1)  # rowsum(W * dW) = dU . U, FlashAttention's D
+    dv = t.v.shape[-1]
+    c = torch.tensor([c for first, end, c in t.runs for _ in range(first, end)], dtype=t.v.dtype)
+    neg_two_c = (-2 * c).to(t.v.device).repeat(t.batch)[:, None, None]  # (BH, 1, 1)
     grad_q = torch.empty_like(t.q)
     grad_k = torch.zeros_like(t.k)
     grad_v = torch.zeros_like(t.v)
+    attn_buffer, dist_buffer, weights_buffer, grad_w_buffer = (t.new_tile_buffer() for _ in range(4))
     for b0, b1, rows, q0, q1 in t.query_blocks():
+        bh, bq = rows.stop - rows.start, q1 - q0
         grad_out_block = grad_out[rows, q0:q1]  # (bh, bq, dv)
-        v_query = t.v_query[rows, q0:q1]
+        own = slice(t.offset + q0, t.offset + q1)
+        v_query = t.v[rows, own]
+        neg_row_dot = -(grad_out_block * out[rows, q0:q1]).sum(-1, keepdim=True)  # -rowsum(W * dW), (bh, bq, 1)
+        if t.euler:
+            # dU_x . v_x is the part of G that the subtraction of rowsum(W_off) v_x takes back.
+            grad_own = (grad_out_block * v_query).sum(-1, keepdim=True)  # (bh, bq, 1)
+            neg_row_dot += grad_own
         # Accumulators of this query block, contiguous: in-place matmuls into strided views are slow.
-        grad_q_block = t.q.new_zeros(grad_out_block.shape[:2] + t.q.shape[-1:])  # (bh, bq, d)
-        if t.needs_distance:
-            grad_v_own = torch.zeros_like(grad_out_block)  # - sum_y Gd V, then + rowsum(Gd) v_x
-            gd_rowsum = v_query.new_zeros(v_query.shape[:2])
+        grad_q_block = t.q.new_zeros(bh, bq, t.q.shape[-1])
+        ratio_values = t.v.new_zeros(bh, bq, dv)  # Y V
+        ratio_rowsum = t.v.new_zeros(bh, bq, 1)
         for k0, k1 in t.key_blocks(q0, q1):
-            attn = t.scores(rows, b0, b1, q0, q1, k0, k1).sub_(lse[rows, q0:q1, None])
-            attn = attn.clamp_min_(MIN_EXPONENT).exp_()  # (bh, bq, bk); ~0 on fully masked rows, whose dU is 0
-            if t.needs_distance:
-                dist = t.distances_eps(rows, q0, q1, k0, k1)
-                weights = _power(dist, t.runs, t.heads).mul_(attn)
-            else:
-                weights = attn.clone() if t.euler else attn
-            if t.euler:
-                t.self_diagonal(weights, q0, k0).fill_(0)
+            attn = t.scores(rows, b0, b1, q0, q1, k0, k1, attn_buffer).sub_(lse[rows, q0:q1, None]).exp2_()  # A
+            dist = t.distances_eps(rows, q0, q1, k0, k1, dist_buffer)
+            weights = t.plap_weights(attn, dist, q0, k0, out=_tile(weights_buffer, *attn.shape))
             keys, values = t.k[rows, k0:k1], t.v[rows, k0:k1]
             grad_v_keys = torch.bmm(weights.transpose(1, 2), grad_out_block)  # (bh, bk, dv)
-            grad_w = torch.bmm(grad_out_block, values.transpose(1, 2))  # G, (bh, bq, bk)
+            grad_w = torch.bmm(grad_out_block, values.transpose(1, 2), out=_tile(grad_w_buffer, *attn.shape))  # G
             if t.euler:
-                grad_w.sub_(grad_own[rows, q0:q1, None])
-            grad_w.mul_(weights)  # W * dW
-            grad_s = attn.mul_(row_dot[rows, q0:q1, None].neg()).add_(grad_w)  # dS, (bh, bq, bk)
+                grad_w.sub_(grad_own)
+            product = grad_w.mul_(weights)  # T = W * dW
+            grad_s = torch.addcmul(product, attn, neg_row_dot, out=attn)  # dS
             grad_q_block.baddbmm_(grad_s, keys)
             grad_k[rows, k0:k1] += torch.bmm(grad_s.transpose(1, 2), t.q[rows, q0:q1])
-            if t.needs_distance:
-                grad_dist = grad_w.div_(dist)
-                grad_dist.unflatten(0, (-1, t.heads)).mul_(2 * t.c)  # 2 dL/dD2, (bh, bq, bk)
-                t.self_diagonal(grad_dist, q0, k0).fill_(0)
-                grad_v_own.baddbmm_(grad_dist, values, alpha=-1)
-                gd_rowsum.add_(grad_dist.sum(-1))
-                grad_v_keys.addcmul_(grad_dist.sum(1)[..., None], values)
-                grad_v_keys.baddbmm_(grad_dist.transpose(1, 2), v_query, alpha=-1)
+            ratio = product.div_(dist)  # Y = T / (D2 + eps); dL/dD2 = c Y
+            t.self_diagonal(ratio, q0, k0).fill_(0)
+            ratio_values.baddbmm_(ratio, values)
+            ratio_rowsum += ratio.sum(-1, keepdim=True)
+            # dv_y += 2 c (colsum(Y) v_y - Y^T v_x)
+            ratio_query_values = torch.bmm(ratio.transpose(1, 2), v_query)  # (bh, bk, dv)
+            ratio_query_values.addcmul_(ratio.sum(1)[..., None], values, value=-1)
+            grad_v_keys.addcmul_(ratio_query_values, neg_two_c[rows])
             grad_v[rows, k0:k1] += grad_v_keys
         grad_q[rows, q0:q1] = grad_q_block
-        if t.needs_distance:
-            own = slice(t.offset + q0, t.offset + q1)
-            grad_v[rows, own] += grad_v_own.addcmul_(gd_rowsum[..., None], v_query)
-    grad_q.mul_(t.scale)  # dk needs no such factor: it was taken against the pre-scaled queries
+        # dv_x += 2 c (rowsum(Y) v_x - Y V)
+        grad_v[rows, own] += ratio_values.sub_(ratio_rowsum * v_query).mul_(neg_two_c[rows])
+    grad_q.mul_(t.scale)
+    grad_k.mul_(t.scale)
     if t.euler:
-        grad_v[:, t.offset :].addcmul_(grad_out, (1 - off_rowsum)[..., None])
+        grad_v[:, t.offset :].addcmul_(grad_out, own_weight[..., None])
     return grad_q, grad_k, grad_v
 
 
@@ -268,17 +309,17 @@ class _PlapAttentionTiled(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, key, value, runs, bias, is_causal, eps, euler, blocks):
         tiling = _Tiling(query, key, value, runs, bias, is_causal, eps, euler, blocks)
-        out, lse, off_rowsum = _forward(tiling)
-        ctx.save_for_backward(query, key, value, out, lse, off_rowsum)
+        out, lse, own_weight = _forward(tiling)
+        ctx.save_for_backward(query, key, value, out, lse, own_weight)
         ctx.args = (runs, bias, is_causal, eps, euler, blocks)
         return out.view(query.shape[:3] + value.shape[-1:])  # (B, H, Nq, dv)
 
     @staticmethod
     def backward(ctx, grad_out):
-        query, key, value, out, lse, off_rowsum = ctx.saved_tensors
+        query, key, value, out, lse, own_weight = ctx.saved_tensors
         with torch.autocast(query.device.type, enabled=False):
             tiling = _Tiling(query, key, value, *ctx.args)
-            grads = _backward(tiling, out, lse, off_rowsum, grad_out.flatten(0, 1).to(out.dtype))
+            grads = _backward(tiling, out, lse, own_weight, grad_out.flatten(0, 1).to(out.dtype))
         grad_q, grad_k, grad_v = (g.view(x.shape) for g, x in zip(grads, (query, key, value)))
         return grad_q, grad_k, grad_v, None, None, None, None, None, None
 

@@ -15,10 +15,12 @@ import torch.nn.functional as F
 
 from modeling_plat import plap_attention
 from modeling_plat import plap_attention_triton as triton_module
-from modeling_plat.plap_attention import resolve_backend
+from modeling_plat.plap_attention import EAGER_MAX_SCORES_PER_THREAD_CPU, resolve_backend
 from modeling_plat.plap_attention_tiled import plap_attention_tiled
 from reference import reference_plap_attention
 
+# The package exports the function plap_attention under the module's name.
+plap_attention_module = importlib.import_module("modeling_plat.plap_attention")
 TRITON_MISSING = triton_module.triton is None
 needs_triton = pytest.mark.skipif(TRITON_MISSING, reason="triton is not installed (pip install triton)")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -140,6 +142,63 @@ def test_tiled_p2_is_softmax_attention():
         torch.testing.assert_close(ours, sdpa, rtol=1e-5, atol=1e-6)
 
 
+def routed_heads(monkeypatch):
+    """Record the head count of every call that reaches SDPA through the dispatcher."""
+    calls = []
+    sdpa = F.scaled_dot_product_attention
+
+    def counting_sdpa(query, *args, **kwargs):
+        calls.append(query.shape[1])
+        return sdpa(query, *args, **kwargs)
+
+    monkeypatch.setattr(plap_attention_module.F, "scaled_dot_product_attention", counting_sdpa)
+    return calls
+
+
+SOFTMAX_MIX = (2.0, 1.5, 2.0, 2.0, 2.5)  # runs: softmax, p-Laplacian, softmax (2 heads), p-Laplacian
+
+
+@pytest.mark.parametrize("formulation", ["paper", "euler"])
+@pytest.mark.parametrize("mask", [None, "padding", "full"])
+@pytest.mark.parametrize("backend", ["auto", "eager", "tiled"])
+def test_p2_heads_run_through_sdpa(monkeypatch, backend, mask, formulation):
+    """Each run of p = 2 heads goes to SDPA inside the same call; Nq < Nk causal, masks, fully masked rows."""
+    calls = routed_heads(monkeypatch)
+    shape = (2, 5, 21, 50, 16, 24)
+    inputs, _ = make_inputs(*shape, torch.float32)
+    p = torch.tensor(SOFTMAX_MIX, device=DEVICE)
+    run = lambda *a, **kw: plap_attention(*a, **kw, backend=backend)  # noqa: E731
+    check(run, inputs, p, torch.float32, attn_mask=make_mask(mask, *shape[:4]), is_causal=True,
+          formulation=formulation)  # fmt: skip
+    assert calls == [1, 2]
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16, torch.float16])
+def test_softmax_twin_matches_reference(monkeypatch, dtype, is_causal):
+    calls = routed_heads(monkeypatch)
+    shape = (2, 3, 17, 17, 16, 16)
+    inputs, _ = make_inputs(*shape, dtype)
+    p = torch.full((3,), 2.0, device=DEVICE)
+    check(plap_attention, inputs, p, dtype, attn_mask=make_mask("padding", *shape[:4]), is_causal=is_causal)
+    assert calls == [3]
+
+
+def test_rows_without_keys_are_zero_whatever_sdpa_returns(monkeypatch):
+    """Some SDPA kernels return NaN on rows with no allowed key; the dispatcher never shows them one."""
+    sdpa = F.scaled_dot_product_attention
+
+    def nan_on_empty_rows(query, key, value, attn_mask=None, **kwargs):
+        out = sdpa(query, key, value, attn_mask=attn_mask, **kwargs)
+        return out if attn_mask is None else torch.where(attn_mask.any(-1, keepdim=True), out, torch.nan)
+
+    monkeypatch.setattr(plap_attention_module.F, "scaled_dot_product_attention", nan_on_empty_rows)
+    shape = (2, 2, 9, 9, 8, 8)
+    inputs, _ = make_inputs(*shape, torch.float32)
+    check(plap_attention, inputs, torch.full((2,), 2.0, device=DEVICE), torch.float32,
+          attn_mask=make_mask("full", *shape[:4]))  # fmt: skip
+
+
 def test_p_requiring_grad():
     inputs, p = make_inputs(1, 2, 8, 8, 4, 4, torch.float32)
     p.requires_grad_()
@@ -151,13 +210,15 @@ def test_p_requiring_grad():
 
 
 def test_auto_backend_choice():
-    small, _ = make_inputs(1, 2, 8, 8, 4, 4, torch.float32)
-    large, _ = make_inputs(1, 2, 300, 300, 4, 4, torch.float32)
+    """On CPU eager up to EAGER_MAX_SCORES_PER_THREAD_CPU scores per thread, tiled above."""
+    limit = EAGER_MAX_SCORES_PER_THREAD_CPU * torch.get_num_threads()
+    query = torch.zeros(1, 1, 1, 4, device=DEVICE)
+    keys_at_limit, keys_above = (torch.zeros(1, 1, 1, 4, device=DEVICE).expand(1, 1, n, 4) for n in (limit, limit + 1))
     if DEVICE == "cpu":
-        assert resolve_backend("auto", small[0], small[1]) == "eager"
-        assert resolve_backend("auto", large[0], large[1]) == "tiled"
+        assert resolve_backend("auto", query, keys_at_limit) == "eager"
+        assert resolve_backend("auto", query, keys_above) == "tiled"
     with pytest.raises(ValueError, match="backend must be one of"):
-        resolve_backend("flash", small[0])
+        resolve_backend("flash", query)
 
 
 def test_triton_unavailable_is_an_error(monkeypatch):
