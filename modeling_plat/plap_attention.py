@@ -143,14 +143,18 @@ def _check_inputs(query, key, value, p, attn_mask, eps, formulation):
             ) from None
 
 
-def resolve_backend(backend, query, key=None, attn_mask=None, p=None):
+def resolve_backend(backend, query, key=None, attn_mask=None, p=None, value=None):
     """The backend that ``backend`` names for this input; "auto" picks the fastest correct one.
 
     eager: the reference above, (B, H, Nq, Nk) memory, any input, the only one that differentiates p.
     tiled: plap_attention_tiled.py, O(N) extra memory, any input except a p that requires grad.
     triton: plap_attention_triton.py, fused kernels for CUDA (or CPU under TRITON_INTERPRET=1),
-        float32/bfloat16/float16, masks broadcastable to (B, 1, 1, Nk) (key padding) only.
+        float32/bfloat16/float16, masks broadcastable to (B, 1, 1, Nk) (key padding) only; its static limits
+        (Triton version, compute capability, head sizes, ...) are in ``triton_unsupported_reason``.
+    auto: eager when p requires grad; on CUDA, triton wherever ``triton_unsupported_reason`` finds no
+        limit it breaks, else tiled; on CPU, eager for tiny inputs and tiled otherwise.
     An explicit choice that cannot run the input raises a ValueError saying why; it is never replaced.
+    ``key`` and ``value`` default to ``query``'s shape and dtype.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}")
@@ -161,7 +165,7 @@ def resolve_backend(backend, query, key=None, attn_mask=None, p=None):
         if query.device.type == "cuda":
             from .plap_attention_triton import triton_unsupported_reason
 
-            if triton_unsupported_reason(query, attn_mask) is None:
+            if triton_unsupported_reason(query, key, value, attn_mask) is None:
                 return "triton"
         num_keys = query.shape[-2] if key is None else key.shape[-2]
         small = query.device.type == "cpu" and query.shape[:-1].numel() * num_keys <= EAGER_MAX_SCORES_CPU
@@ -171,7 +175,7 @@ def resolve_backend(backend, query, key=None, attn_mask=None, p=None):
     if backend == "triton":
         from .plap_attention_triton import triton_unsupported_reason
 
-        reason = triton_unsupported_reason(query, attn_mask)
+        reason = triton_unsupported_reason(query, key, value, attn_mask)
         if reason is not None:
             raise ValueError(f"backend 'triton' cannot run this input: {reason}")
     return backend
@@ -200,7 +204,7 @@ def plap_attention(
     if p.dim() == 0:
         p = p.expand(query.shape[1])
     _check_inputs(query, key, value, p, attn_mask, eps, formulation)
-    backend = resolve_backend(backend, query, key, attn_mask, p)
+    backend = resolve_backend(backend, query, key, attn_mask, p, value)
     if backend == "tiled":
         from .plap_attention_tiled import plap_attention_tiled
 
