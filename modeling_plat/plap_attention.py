@@ -22,6 +22,8 @@ BACKENDS = ("auto", "eager", "tiled", "triton")
 # kernels cost less than the tiled loop's fixed overhead; measured fwd+bwd, 1 thread: tie at 8 * 4 * 16 * 16,
 # tiled 1.3x faster at 8 * 4 * 32 * 32).
 EAGER_MAX_SCORES_CPU = 8192
+# As int32: keeps the sign, the exponent and the 10 mantissa bits of TF32 of a float32 (0xFFFFE000).
+TF32_MASK = -(1 << 13)
 
 
 def _allowed_positions(attn_mask, is_causal, num_queries, num_keys, device):
@@ -44,18 +46,74 @@ def _self_pairs(num_queries, num_keys, device):
     return torch.arange(num_keys, device=device)[None, :] == query_pos[:, None]
 
 
+def _tf32_split(x):
+    """(high, low): x's float32 values cut to the 10 mantissa bits of TF32 (exact in TF32), and x - high (exact)."""
+    high = (x.view(torch.int32) & TF32_MASK).view(torch.float32)
+    return high, x - high
+
+
+def _split_bmm(a, b, bmm=torch.bmm):
+    """a @ b of float32 batches to about float32 accuracy from three matmuls that round their inputs to TF32:
+    high.high + high.low + low.high, the low.low term being below float32 resolution (tf32x3)."""
+    a_high, a_low = _tf32_split(a)
+    b_high, b_low = _tf32_split(b)
+    return bmm(a_high, b_high) + (bmm(a_high, b_low) + bmm(a_low, b_high))
+
+
+class _SplitBmm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a, b):
+        ctx.save_for_backward(a, b)
+        return _split_bmm(a, b)
+
+    @staticmethod
+    def backward(ctx, grad):
+        a, b = ctx.saved_tensors
+        grad_a = _split_bmm(grad, b.transpose(1, 2)) if ctx.needs_input_grad[0] else None
+        grad_b = _split_bmm(a.transpose(1, 2), grad) if ctx.needs_input_grad[1] else None
+        return grad_a, grad_b
+
+
+def _cuda_matmul_allows_tf32():
+    """Whether CUDA float32 matmuls may round their inputs to TF32 (allow_tf32, float32 matmul precision
+    "high" or "medium")."""
+    try:
+        return torch.backends.cuda.matmul.fp32_precision == "tf32"  # PyTorch >= 2.9, set by either API
+    except AttributeError:
+        return torch.backends.cuda.matmul.allow_tf32
+
+
+def _tf32_may_round(tensor):
+    return tensor.dtype == torch.float32 and tensor.device.type == "cuda" and _cuda_matmul_allows_tf32()
+
+
+def float32_baddbmm(input, batch1, batch2, alpha=1):
+    """``torch.baddbmm(input, batch1, batch2, alpha=alpha)`` to float32 accuracy, also under TF32.
+
+    For the matmuls that form a squared distance |x|^2 + |y|^2 - 2 x.y or multiply its gradient: where CUDA
+    runs float32 matmuls in TF32, the 2^-11 rounding of their inputs becomes an O(1) error of near-coinciding
+    values after the cancellation, exactly where the p-Laplacian weight is largest. There, each float32
+    operand is split into a TF32 part and the rest and three matmuls make up the product (also in backward);
+    elsewhere this is torch.baddbmm.
+    """
+    if _tf32_may_round(batch1):
+        return torch.add(input, _SplitBmm.apply(batch1, batch2), alpha=alpha)
+    return torch.baddbmm(input, batch1, batch2, alpha=alpha)
+
+
 def squared_value_distances(value, num_queries):
     """D2[x, y] = ||v_x - v_y||^2 for the last ``num_queries`` values x against all values y.
 
-    Uses |v_x|^2 + |v_y|^2 - 2 v_x.v_y (one matmul, like torch.cdist), clamped at 0 against rounding,
-    and sets the self pairs to an exact 0 with no gradient.
+    Uses |v_x|^2 + |v_y|^2 - 2 v_x.v_y (one matmul, like torch.cdist, float32-exact: see
+    ``float32_baddbmm``), clamped at 0 against rounding, and sets the self pairs to an exact 0 with no gradient.
     """
     num_keys = value.shape[-2]
-    v_query = value[..., num_keys - num_queries :, :]  # (B, H, Nq, dv)
-    sq_norm = value.pow(2).sum(-1)  # (B, H, Nk)
-    d2 = sq_norm[..., num_keys - num_queries :, None] + sq_norm[..., None, :] - 2 * v_query @ value.transpose(-1, -2)
-    d2 = d2.clamp_min(0)  # (B, H, Nq, Nk)
-    return torch.where(_self_pairs(num_queries, num_keys, value.device), 0.0, d2)
+    flat = value.flatten(0, -3)  # (B * H, Nk, dv)
+    v_query = flat[:, num_keys - num_queries :]  # (BH, Nq, dv)
+    sq_norm = flat.pow(2).sum(-1)  # (BH, Nk)
+    d2 = float32_baddbmm(sq_norm[:, None, :], v_query, flat.transpose(1, 2), alpha=-2)  # |v_y|^2 - 2 v_x.v_y
+    d2 = (d2 + sq_norm[:, num_keys - num_queries :, None]).clamp_min(0).unflatten(0, value.shape[:-2])
+    return torch.where(_self_pairs(num_queries, num_keys, value.device), 0.0, d2)  # (B, H, Nq, Nk)
 
 
 def plap_attention_weights(query, key, value, p, attn_mask=None, is_causal=False, eps=1e-6, formulation="paper"):

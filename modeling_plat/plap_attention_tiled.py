@@ -26,6 +26,8 @@ import math
 
 import torch
 
+from .plap_attention import float32_baddbmm
+
 # Scores per tile, all heads of a batch block together: 2**18 float32 = 1 MiB, so that the dozen
 # elementwise passes over a tile run in cache, while the matmuls stay large enough to be efficient.
 TILE_ELEMENTS = 1 << 18
@@ -154,7 +156,7 @@ class _Tiling:
 
     def distances_eps(self, rows, q0, q1, k0, k1):
         """D2 + eps of a tile, (bh, bq, bk), from |v_x|^2 + |v_y|^2 - 2 v_x.v_y; self pairs exactly eps."""
-        dist = torch.baddbmm(
+        dist = float32_baddbmm(
             self.sq_norm[rows, None, k0:k1], self.v_query[rows, q0:q1], self.v[rows, k0:k1].transpose(1, 2), alpha=-2
         )  # (bh, bq, bk)
         dist.add_(self.sq_norm_query_eps[rows, q0:q1, None]).clamp_min_(self.eps)
