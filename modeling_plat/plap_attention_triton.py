@@ -96,7 +96,7 @@ def _config(fwd, dkdv, dq):
 # 99 KB of sm_86 and sm_89; 9, Hopper), input kind and padded head size (the larger of BLOCK_D and BLOCK_DV).
 # Each kernel holds its own block as the left operand of its matmuls and loops over blocks of the other
 # side: the larger that loop's block, the more registers its right operands take in every warp. Chosen as
-# the largest tiles whose compiled kernels spill no registers (a few bytes at most) and fit the shared
+# the largest tiles whose compiled kernels spill no registers (or a few dozen bytes) and fit the shared
 # memory, as tests/test_triton_compile.py prints them; GPU timings may refine them. Larger heads run tiled.
 CONFIGS = {
     (8, "half"): {
@@ -187,6 +187,8 @@ def _input_reason(query, key, value, attn_mask):
         return f"query, key and value are on different devices ({query.device}, {key.device}, {value.device})"
     if attn_mask is not None and _key_padding_shape(attn_mask) is None:
         return f"only key-padding masks broadcastable as (B, 1, 1, Nk) are fused; got {tuple(attn_mask.shape)}"
+    if attn_mask is not None and attn_mask.device != query.device:
+        return f"the mask is on {attn_mask.device}, the inputs on {query.device}"
     # Outputs and gradients are contiguous: one (batch, head) slab of the largest holds Nk * max(d, dv).
     extents = dict(query=_slab_extent(query), key=_slab_extent(key), value=_slab_extent(value),
                    gradients=key.shape[2] * max(query.shape[-1], value.shape[-1]) - 1)  # fmt: skip

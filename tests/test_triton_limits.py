@@ -89,6 +89,8 @@ def test_the_rule_on_named_cases(gpu):
         assert choose(*cuda_inputs(head_dim=256)) == "tiled"  # its tiles do not fit
         assert choose(*cuda_inputs(mask="full")) == "tiled"  # only key padding is fused
         assert choose(*cuda_inputs(dtype=torch.float64)) == "tiled"
+        q, k, v, mask = cuda_inputs(mask="padding")
+        assert choose(q, k, v, mask.cpu()) == "tiled"  # a mask left on the CPU
     with gpu((7, 5)):
         assert choose(*cuda_inputs()) == "tiled"  # an architecture nothing was compiled for
         with pytest.raises(ValueError, match="compute capability 7.5 is not one the kernels are checked for"):
