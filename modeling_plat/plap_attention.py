@@ -26,6 +26,8 @@ BACKENDS = ("auto", "eager", "tiled", "triton")
 # not (AMD EPYC, torch 2.13): with 1 thread eager and tiled tie between 16k and 64k scores at d = 16 and
 # between 64k and 256k at d = 64; with 2 threads the ties move to 64k-256k and ~256k.
 EAGER_MAX_SCORES_PER_THREAD_CPU = 65536
+# As int32: keeps the sign, the exponent and the 10 mantissa bits of TF32 of a float32 (0xFFFFE000).
+TF32_MASK = -(1 << 13)
 
 
 def _allowed_positions(attn_mask, is_causal, num_queries, num_keys, device):
@@ -48,18 +50,82 @@ def _self_pairs(num_queries, num_keys, device):
     return torch.arange(num_keys, device=device)[None, :] == query_pos[:, None]
 
 
+def _tf32_split(x):
+    """(high, low): x's float32 values cut to the 10 mantissa bits of TF32 (exact in TF32), and x - high (exact)."""
+    high = (x.view(torch.int32) & TF32_MASK).view(torch.float32)
+    return high, x - high
+
+
+def _split_bmm(a, b, bmm=torch.bmm):
+    """a @ b of float32 batches to about float32 accuracy from three matmuls that round their inputs to TF32:
+    high.high + high.low + low.high, the low.low term being below float32 resolution (tf32x3)."""
+    a_high, a_low = _tf32_split(a)
+    b_high, b_low = _tf32_split(b)
+    return bmm(a_high, b_high) + (bmm(a_high, b_low) + bmm(a_low, b_high))
+
+
+class _SplitBmm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a, b):
+        ctx.save_for_backward(a, b)
+        return _split_bmm(a, b)
+
+    @staticmethod
+    def backward(ctx, grad):
+        a, b = ctx.saved_tensors
+        grad_a = _split_bmm(grad, b.transpose(1, 2)) if ctx.needs_input_grad[0] else None
+        grad_b = _split_bmm(a.transpose(1, 2), grad) if ctx.needs_input_grad[1] else None
+        return grad_a, grad_b
+
+
+def _cuda_matmul_allows_tf32():
+    """Whether CUDA float32 matmuls may round their inputs to TF32 (allow_tf32, float32 matmul precision
+    "high" or "medium")."""
+    try:
+        return torch.backends.cuda.matmul.fp32_precision == "tf32"  # PyTorch >= 2.9, set by either API
+    except AttributeError:
+        return torch.backends.cuda.matmul.allow_tf32
+
+
+def _tf32_may_round(tensor):
+    return tensor.dtype == torch.float32 and tensor.device.type == "cuda" and _cuda_matmul_allows_tf32()
+
+
+def float32_baddbmm(input, batch1, batch2, alpha=1):
+    """``torch.baddbmm(input, batch1, batch2, alpha=alpha)`` to float32 accuracy, also under TF32.
+
+    For the matmuls that form a squared distance |x|^2 + |y|^2 - 2 x.y or multiply its gradient: where CUDA
+    runs float32 matmuls in TF32, the 2^-11 rounding of their inputs becomes an O(1) error of near-coinciding
+    values after the cancellation, exactly where the p-Laplacian weight is largest. There, each float32
+    operand is split into a TF32 part and the rest and three matmuls make up the product (also in backward);
+    elsewhere this is torch.baddbmm.
+    """
+    if _tf32_may_round(batch1):
+        return torch.add(input, _SplitBmm.apply(batch1, batch2), alpha=alpha)
+    return torch.baddbmm(input, batch1, batch2, alpha=alpha)
+
+
+def float32_baddbmm_(input, batch1, batch2, alpha=1):
+    """In place, ``input.baddbmm_(batch1, batch2, alpha=alpha)`` to float32 accuracy (see ``float32_baddbmm``);
+    for accumulations outside autograd, such as the tiled backend's."""
+    if _tf32_may_round(batch1):
+        return input.add_(_SplitBmm.apply(batch1, batch2), alpha=alpha)
+    return input.baddbmm_(batch1, batch2, alpha=alpha)
+
+
 def squared_value_distances(value, num_queries):
     """D2[x, y] = ||v_x - v_y||^2 for the last ``num_queries`` values x against all values y.
 
-    Uses |v_x|^2 + |v_y|^2 - 2 v_x.v_y (one matmul, like torch.cdist), clamped at 0 against rounding,
-    and sets the self pairs to an exact 0 with no gradient.
+    Uses |v_x|^2 + |v_y|^2 - 2 v_x.v_y (one matmul, like torch.cdist, float32-exact: see
+    ``float32_baddbmm``), clamped at 0 against rounding, and sets the self pairs to an exact 0 with no gradient.
     """
     num_keys = value.shape[-2]
-    v_query = value[..., num_keys - num_queries :, :]  # (B, H, Nq, dv)
-    sq_norm = value.pow(2).sum(-1)  # (B, H, Nk)
-    d2 = sq_norm[..., num_keys - num_queries :, None] + sq_norm[..., None, :] - 2 * v_query @ value.transpose(-1, -2)
-    d2 = d2.clamp_min(0)  # (B, H, Nq, Nk)
-    return torch.where(_self_pairs(num_queries, num_keys, value.device), 0.0, d2)
+    flat = value.flatten(0, -3)  # (B * H, Nk, dv)
+    v_query = flat[:, num_keys - num_queries :]  # (BH, Nq, dv)
+    sq_norm = flat.pow(2).sum(-1)  # (BH, Nk)
+    d2 = float32_baddbmm(sq_norm[:, None, :], v_query, flat.transpose(1, 2), alpha=-2)  # |v_y|^2 - 2 v_x.v_y
+    d2 = (d2 + sq_norm[:, num_keys - num_queries :, None]).clamp_min(0).unflatten(0, value.shape[:-2])
+    return torch.where(_self_pairs(num_queries, num_keys, value.device), 0.0, d2)  # (B, H, Nq, Nk)
 
 
 def plap_attention_weights(query, key, value, p, attn_mask=None, is_causal=False, eps=1e-6, formulation="paper"):
@@ -147,21 +213,24 @@ def _check_inputs(query, key, value, p, attn_mask, eps, formulation):
             ) from None
 
 
-def resolve_backend(backend, query, key=None, attn_mask=None, p=None):
+def resolve_backend(backend, query, key=None, attn_mask=None, p=None, value=None):
     """The backend that ``backend`` names for this input's heads with p != 2; "auto" picks the fastest correct one.
 
     eager: the reference above, (B, H, Nq, Nk) memory, any input, the only one that differentiates p.
     tiled: plap_attention_tiled.py, O(N) extra memory, any input except a p that requires grad.
     triton: plap_attention_triton.py, fused kernels for CUDA (or CPU under TRITON_INTERPRET=1),
-        float32/bfloat16/float16, masks broadcastable to (B, 1, 1, Nk) (key padding) only.
+        float32/bfloat16/float16, masks broadcastable to (B, 1, 1, Nk) (key padding) only; its static limits
+        (Triton version, compute capability, head sizes, ...) are in ``triton_unsupported_reason``.
     Heads with p = 2 are softmax attention exactly and ``plap_attention`` runs them through SDPA whatever the
     backend, unless p requires grad (see ``head_groups``).
 
-    "auto", by measured crossovers: eager when p requires grad; on CUDA triton where it can run the input;
-    on CPU eager up to EAGER_MAX_SCORES_PER_THREAD_CPU scores (B * H * Nq * Nk, counting the heads with
-    p != 2 only) per intra-op thread, tiled above (O(N) memory); tiled otherwise. Heads with p = 2 take
+    "auto", by measured crossovers: eager when p requires grad; on CUDA triton wherever
+    ``triton_unsupported_reason`` finds no limit it breaks, else tiled; on CPU eager up to
+    EAGER_MAX_SCORES_PER_THREAD_CPU scores (B * H * Nq * Nk, counting the heads with p != 2 only) per intra-op
+    thread, tiled above (O(N) memory); tiled otherwise. Heads with p = 2 take
     SDPA on every device and size: one fused kernel, faster than either.
     An explicit choice that cannot run the input raises a ValueError saying why; it is never replaced.
+    ``key`` and ``value`` default to ``query``'s shape and dtype.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}")
@@ -172,7 +241,7 @@ def resolve_backend(backend, query, key=None, attn_mask=None, p=None):
         if query.device.type == "cuda":
             from .plap_attention_triton import triton_unsupported_reason
 
-            if triton_unsupported_reason(query, attn_mask) is None:
+            if triton_unsupported_reason(query, key, value, attn_mask) is None:
                 return "triton"
         num_keys = query.shape[-2] if key is None else key.shape[-2]
         scores = query.shape[:-1].numel() * num_keys
@@ -183,7 +252,7 @@ def resolve_backend(backend, query, key=None, attn_mask=None, p=None):
     if backend == "triton":
         from .plap_attention_triton import triton_unsupported_reason
 
-        reason = triton_unsupported_reason(query, attn_mask)
+        reason = triton_unsupported_reason(query, key, value, attn_mask)
         if reason is not None:
             raise ValueError(f"backend 'triton' cannot run this input: {reason}")
     return backend
@@ -283,7 +352,7 @@ def plap_attention(
     if p.dim() == 0:
         p = p.expand(query.shape[1])
     _check_inputs(query, key, value, p, attn_mask, eps, formulation)
-    resolve_backend(backend, query, key, attn_mask, p)  # an explicit backend that cannot run the input raises
+    resolve_backend(backend, query, key, attn_mask, p, value)  # an explicit backend that cannot run the input raises
     num_heads = query.shape[1]
     outputs = []
     for first, end, softmax in head_groups(p):
@@ -293,6 +362,6 @@ def plap_attention(
             outputs.append(softmax_attention(q, k, v, mask, is_causal))
         else:
             group_p = p[first:end]
-            group_backend = resolve_backend(backend, q, k, mask, group_p)
+            group_backend = resolve_backend(backend, q, k, mask, group_p, v)
             outputs.append(_run_backend(group_backend, q, k, v, group_p, mask, is_causal, eps, formulation))
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs, 1)  # (B, H, Nq, dv)

@@ -40,6 +40,8 @@ import math
 
 import torch
 
+from .plap_attention import float32_baddbmm_
+
 # Scores per tile, all heads of a batch block together: 2**18 float32 = 1 MiB per tile buffer. Measured
 # fwd+bwd (paper LM, ptb-tiny and DeiT-tiny shapes, 1 and 2 threads, AMD EPYC): 2**17 and 2**19 within the
 # run-to-run spread (~10%) of 2**18; smaller tiles pay more per-call overhead, larger ones leave the cache.
@@ -181,15 +183,16 @@ class _Tiling:
     def distances_eps(self, rows, q0, q1, k0, k1, buffer):
         """D2 + eps of a tile, (bh, bq, bk) in ``buffer``: the one place where distances are formed.
 
-        |v_x|^2 + eps + |v_y|^2 (one broadcast add) - 2 v_x.v_y (one matmul accumulating onto it), like
-        torch.cdist; clamped at eps against rounding; self pairs exactly eps.
+        |v_x|^2 + eps + |v_y|^2 (one broadcast add) - 2 v_x.v_y (one matmul accumulating onto it, float32-exact
+        under CUDA TF32), like torch.cdist; clamped at eps against rounding; self pairs exactly eps.
         """
         dist = torch.add(
             self.sq_norm_query_eps[rows, q0:q1, None],
             self.sq_norm[rows, None, k0:k1],
             out=_tile(buffer, rows.stop - rows.start, q1 - q0, k1 - k0),
         )  # (bh, bq, bk)
-        dist.baddbmm_(self.v_query[rows, q0:q1], self.v[rows, k0:k1].transpose(1, 2), alpha=-2).clamp_min_(self.eps)
+        float32_baddbmm_(dist, self.v_query[rows, q0:q1], self.v[rows, k0:k1].transpose(1, 2), alpha=-2)
+        dist.clamp_min_(self.eps)
         self.self_diagonal(dist, q0, k0).fill_(self.eps)
         return dist
 
@@ -288,12 +291,13 @@ def _backward(tiling, out, lse, own_weight, grad_out):
             grad_k[rows, k0:k1] += torch.bmm(grad_s.transpose(1, 2), t.q[rows, q0:q1])
             ratio = product.div_(dist)  # Y = T / (D2 + eps); dL/dD2 = c Y
             t.self_diagonal(ratio, q0, k0).fill_(0)
-            ratio_values.baddbmm_(ratio, values)
+            # Y grows like 1 / (D2 + eps): these two products cancel against rowsum / colsum(Y) v, float32-exact.
+            float32_baddbmm_(ratio_values, ratio, values)
             ratio_rowsum += ratio.sum(-1, keepdim=True)
             # dv_y += 2 c (colsum(Y) v_y - Y^T v_x)
-            ratio_query_values = torch.bmm(ratio.transpose(1, 2), v_query)  # (bh, bk, dv)
-            ratio_query_values.addcmul_(ratio.sum(1)[..., None], values, value=-1)
-            grad_v_keys.addcmul_(ratio_query_values, neg_two_c[rows])
+            ratio_key_values = float32_baddbmm_(ratio.sum(1)[..., None] * values, ratio.transpose(1, 2), v_query,
+                                                alpha=-1)  # (bh, bk, dv)
+            grad_v_keys.addcmul_(ratio_key_values, neg_two_c[rows], value=-1)
             grad_v[rows, k0:k1] += grad_v_keys
         grad_q[rows, q0:q1] = grad_q_block
         # dv_x += 2 c (rowsum(Y) v_x - Y V)

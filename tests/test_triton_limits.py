@@ -1,0 +1,152 @@
+"""The Triton backend's static limits and the ``auto`` rule, on simulated CUDA inputs (CPU only).
+
+CUDA inputs are FakeTensors (shape, dtype, strides, device, no memory); the GPU's compute capability and the
+Triton version are patched. ``auto`` picks ``triton`` exactly where ``triton_unsupported_reason`` finds no
+limit broken, and then only with a launch configuration that tests/test_triton_compile.py compiles for that
+GPU generation and dtype; an explicit ``backend="triton"`` raises the reason instead.
+"""
+
+import itertools
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from modeling_plat import plap_attention_triton as triton_module
+from modeling_plat.plap_attention import resolve_backend
+from test_triton_compile import DEFAULT_CASES
+
+pytestmark = pytest.mark.skipif(triton_module.triton is None, reason="triton is not installed")
+
+CAPABILITIES = [(7, 0), (7, 5), (8, 0), (8, 6), (8, 7), (8, 9), (9, 0), (10, 0), (12, 0)]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+HEAD_DIMS = [8, 16, 40, 64, 80, 96, 128, 160, 256]
+
+
+@pytest.fixture
+def gpu(monkeypatch):
+    """Simulate a CUDA GPU of the given compute capability; returns a FakeTensorMode for its tensors."""
+
+    def with_capability(capability):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+        return FakeTensorMode(allow_non_fake_inputs=True)
+
+    return with_capability
+
+
+def cuda_inputs(batch=2, heads=4, nq=128, nk=128, head_dim=64, value_dim=None, dtype=torch.bfloat16, mask=None):
+    """(q, k, v, attn_mask) on "cuda"; call inside the FakeTensorMode."""
+    q = torch.empty(batch, heads, nq, head_dim, device="cuda", dtype=dtype)
+    k = torch.empty(batch, heads, nk, head_dim, device="cuda", dtype=dtype)
+    v = torch.empty(batch, heads, nk, value_dim or head_dim, device="cuda", dtype=dtype)
+    if mask == "padding":
+        mask = torch.ones(batch, 1, 1, nk, device="cuda", dtype=torch.bool)
+    elif mask == "full":
+        mask = torch.ones(batch, heads, nq, nk, device="cuda", dtype=torch.bool)
+    return q, k, v, mask
+
+
+def compiled_configurations():
+    """(GPU generation, dtype, LaunchConfig) of every configuration the default compile test compiles."""
+    return {
+        (case["arch"] // 10, case["dtype"],
+         triton_module.launch_config(getattr(torch, case["dtype"]), case["head_dim"], case["value_dim"],
+                                     (case["arch"] // 10, case["arch"] % 10)))
+        for case in DEFAULT_CASES
+    }  # fmt: skip
+
+
+def choose(q, k, v, mask, backend="auto"):
+    return resolve_backend(backend, q, k, mask, p=None, value=v)
+
+
+@pytest.mark.parametrize("capability", CAPABILITIES, ids=lambda c: f"sm{c[0]}{c[1]}")
+def test_auto_picks_triton_only_where_compiled(gpu, capability):
+    compiled = compiled_configurations()
+    choices = set()
+    with gpu(capability):
+        for dtype, head_dim, ratio, mask in itertools.product(DTYPES, HEAD_DIMS, (1, 2), (None, "padding", "full")):
+            q, k, v, attn_mask = cuda_inputs(head_dim=head_dim, value_dim=head_dim * ratio, dtype=dtype, mask=mask)
+            reason = triton_module.triton_unsupported_reason(q, k, v, attn_mask)
+            choice = choose(q, k, v, attn_mask)
+            choices.add(choice)
+            assert (choice == "triton") == (reason is None), (dtype, head_dim, mask, reason)
+            if choice == "triton":
+                config = triton_module.launch_config(dtype, q.shape[-1], v.shape[-1], capability)
+                assert (capability[0], str(dtype).removeprefix("torch."), config) in compiled
+            else:
+                assert choice == "tiled"
+                with pytest.raises(ValueError, match="backend 'triton' cannot run this input: " + reason[:20]):
+                    choose(q, k, v, attn_mask, backend="triton")
+    checked = capability in triton_module.SHARED_MEMORY_LIMIT
+    assert ("triton" in choices) == checked
+
+
+def test_the_rule_on_named_cases(gpu):
+    with gpu((9, 0)):
+        assert choose(*cuda_inputs(dtype=torch.bfloat16, head_dim=128)) == "triton"
+        assert choose(*cuda_inputs(dtype=torch.float16, head_dim=80, mask="padding")) == "triton"
+        assert choose(*cuda_inputs(head_dim=256)) == "tiled"  # its tiles do not fit
+        assert choose(*cuda_inputs(mask="full")) == "tiled"  # only key padding is fused
+        assert choose(*cuda_inputs(dtype=torch.float64)) == "tiled"
+        q, k, v, mask = cuda_inputs(mask="padding")
+        assert choose(q, k, v, mask.cpu()) == "tiled"  # a mask left on the CPU
+    with gpu((7, 5)):
+        assert choose(*cuda_inputs()) == "tiled"  # an architecture nothing was compiled for
+        with pytest.raises(ValueError, match="compute capability 7.5 is not one the kernels are checked for"):
+            choose(*cuda_inputs(), backend="triton")
+
+
+def test_mismatched_dtypes_go_to_tiled(gpu):
+    with gpu((8, 0)):
+        q, k, v, _ = cuda_inputs(dtype=torch.bfloat16)
+        v = v.float()  # a KV cache kept in another dtype
+        assert "dtypes differ" in triton_module.triton_unsupported_reason(q, k, v)
+        assert choose(q, k, v, None) == "tiled"
+
+
+def test_many_heads_and_large_tensors_are_fine(gpu):
+    """B * H is not limited by CUDA's 65535 on grid axis 1 (the grid is 1-D), and tensors above 2^31
+    elements run with int64 (batch, head) offsets; only a single (batch, head) past 2^31 is refused."""
+    with gpu((9, 0)):
+        assert choose(*cuda_inputs(batch=700, heads=100, nq=64, nk=64)) == "triton"
+        assert choose(*cuda_inputs(batch=64, heads=16, nq=16384, nk=16384, head_dim=128)) == "triton"  # 2^31 elements
+        q, k, v, _ = cuda_inputs(batch=1, heads=1, nq=16, nk=2**24 + 16, head_dim=128)
+        assert "int32 offsets would overflow" in triton_module.triton_unsupported_reason(q, k, v)
+        # (B, N, H, d) projections viewed as (B, H, N, d): one head's rows are H * d apart.
+        projected = torch.empty(1, 2**21, 32, 64, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+        assert choose(projected, projected, projected, None) == "tiled"
+
+
+def test_old_triton_goes_to_tiled(gpu, monkeypatch):
+    monkeypatch.setattr(triton_module, "TRITON_VERSION", (3, 1))
+    with gpu((9, 0)):
+        q, k, v, _ = cuda_inputs()
+        assert choose(q, k, v, None) == "tiled"
+        with pytest.raises(ValueError, match=r"triton \S+ is older than 3\.2"):
+            choose(q, k, v, None, backend="triton")
+
+
+@pytest.mark.skipif(not triton_module.INTERPRETED, reason="launches the kernels under the interpreter")
+def test_a_launch_failure_names_the_configuration(monkeypatch):
+    from triton.runtime.errors import OutOfResources
+
+    class FailingKernel:
+        __name__ = "_plap_fwd_kernel"
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                raise OutOfResources(263168, 232448, "shared memory")
+
+            return launch
+
+    monkeypatch.setattr(triton_module, "_plap_fwd_kernel", FailingKernel())
+    q = torch.zeros(1, 2, 8, 16, dtype=torch.float16)
+    with pytest.raises(RuntimeError) as failure:
+        triton_module.plap_attention_triton(q, q, q, torch.full((2,), 1.5))
+    message = str(failure.value)
+    for part in ("_plap_fwd_kernel", "torch.float16", "head sizes 16/16", "the Triton interpreter",
+                 f"triton {triton_module.triton.__version__}", "out of resource: shared memory",
+                 "plap_backend='tiled'"):  # fmt: skip
+        assert part in message
+    assert isinstance(failure.value.__cause__, OutOfResources)

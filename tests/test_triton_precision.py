@@ -1,0 +1,133 @@
+"""The fused kernels' matmul precision as a GPU computes it, emulated under the Triton interpreter on CPU.
+
+The interpreter multiplies every tl.dot exactly (and cannot multiply bfloat16 at all). Here its dot is
+replaced by one that rounds as tensor cores do (``emulated_create_dot``): half inputs multiplied exactly,
+float32 inputs rounded to TF32 under input_precision="tf32", split into TF32 parts under "tf32x3". The
+kernels run unchanged, so these tests check which precision each of their matmuls asks for.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from modeling_plat import plap_attention_triton as triton_module
+from modeling_plat.plap_attention_tiled import plap_attention_tiled
+from reference import reference_plap_attention
+from test_backends import check, make_inputs, make_mask, relative_error
+from tf32 import round_tf32
+
+pytestmark = pytest.mark.skipif(
+    not triton_module.INTERPRETED, reason="emulates GPU matmuls under the Triton interpreter (CPU only)"
+)
+
+if triton_module.INTERPRETED:
+    import triton
+    import triton.language as tl
+    from triton._C.libtriton import ir
+    from triton.runtime import interpreter
+
+    @triton.jit
+    def plain_tf32_dot(a, b, acc):
+        """What the kernels did before: the distance-gradient matmuls in plain TF32."""
+        return tl.dot(a, b.to(tl.float32), acc, input_precision="tf32")
+
+
+def _as_float64(handle):
+    if handle.dtype == tl.bfloat16:  # the interpreter keeps bfloat16 as its uint16 bits
+        return torch.from_numpy(handle.data.astype(np.int32) << 16).view(torch.float32).double()
+    return torch.from_numpy(handle.data.astype(np.float32)).double()
+
+
+def emulated_create_dot(self, a, b, acc, input_precision, max_num_imprecise_acc):
+    x, y = _as_float64(a), _as_float64(b)
+    if a.dtype == tl.float32 and input_precision == ir.INPUT_PRECISION.TF32:
+        product = round_tf32(x).double() @ round_tf32(y).double()
+    elif a.dtype == tl.float32 and input_precision == ir.INPUT_PRECISION.TF32x3:
+        x_high, y_high = round_tf32(x).double(), round_tf32(y).double()
+        x_low, y_low = round_tf32(x - x_high).double(), round_tf32(y - y_high).double()
+        product = x_high @ y_high + x_high @ y_low + x_low @ y_high
+    else:
+        product = x @ y
+    result = product.float().numpy() + acc.data
+    return interpreter.TensorHandle(result.astype(acc.data.dtype), acc.dtype.scalar)
+
+
+@pytest.fixture
+def gpu_dots(monkeypatch):
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", emulated_create_dot)
+
+
+def run_kernels(*args, **kwargs):
+    return triton_module.plap_attention_triton(*args, **kwargs, blocks=(16, 16))
+
+
+@pytest.mark.parametrize("formulation", ["paper", "euler"])
+def test_bfloat16_kernels_match_reference(gpu_dots, formulation):
+    """bfloat16, which the plain interpreter cannot run: outputs and gradients within the half tolerance."""
+    shape = (2, 2, 17, 33, 16, 24)
+    inputs, p = make_inputs(*shape, torch.bfloat16)
+    check(run_kernels, inputs, p, torch.bfloat16, attn_mask=make_mask("padding", *shape[:4]), is_causal=True,
+          formulation=formulation)  # fmt: skip
+
+
+def value_gradient_error(run, dtype):
+    """Relative error of dV against the float64 reference for values with exact duplicates (repeated tokens),
+    p = 1.5 and 2.5, paper formulation: the duplicate pairs have D2 = 0, so that the distance gradient
+    Gd ~ 1 / (D2 + eps) is ~1e6 and its terms rowsum(Gd) v_x - Gd V cancel almost exactly."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 24, 16, generator=gen) for _ in range(3))
+    v[:, :, 1:8] = v[:, :, :1] * (1 + 1e-2 * torch.randn(1, 2, 7, 16, generator=gen))  # a close cluster
+    v[:, :, 10:14] = v[:, :, 9:10]  # exact duplicates
+    q, k, v = (t.to(dtype).requires_grad_() for t in (q, k, v))
+    p = torch.tensor([1.5, 2.5])
+    grad_out = torch.randn(1, 2, 24, 16, generator=gen)
+    out = run(q, k, v, p)
+    grad_v = torch.autograd.grad(out, v, grad_out.to(out.dtype))[0]
+    ref_inputs = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref = reference_plap_attention(*ref_inputs, p.double())
+    ref_grad_v = torch.autograd.grad(ref, ref_inputs[2], grad_out.double())[0]
+    return relative_error(grad_v, ref_grad_v)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_distance_gradient_stays_at_float32_floor(gpu_dots, monkeypatch, dtype):
+    """The distance-gradient matmuls (float32 Gd against half-precision values) split Gd into TF32 parts.
+    Measured dV errors, bfloat16 / float16: tiled backend in float32 (the floor of the float32 distance
+    expansion) 8.0e-2 / 6.8e-2; kernels 6.4e-2 / 1.5e-1; the same matmuls in plain TF32 1.3e2 / 1.1e2."""
+    floor = value_gradient_error(lambda q, k, v, p: plap_attention_tiled(q.float(), k.float(), v.float(), p), dtype)
+    kernels = value_gradient_error(run_kernels, dtype)
+    monkeypatch.setattr(triton_module, "_exact_dot", plain_tf32_dot)
+    plain_tf32 = value_gradient_error(run_kernels, dtype)
+    assert kernels <= 4 * floor
+    assert plain_tf32 >= 100 * kernels
+
+
+def test_float32_kernels_match_reference_under_gpu_dots(gpu_dots):
+    """float32 inputs: every matmul is tf32x3, so that TF32 rounding does not cost float32 accuracy."""
+    shape = (2, 2, 17, 33, 16, 24)
+    inputs, p = make_inputs(*shape, torch.float32)
+    check(run_kernels, inputs, p, torch.float32, is_causal=True, formulation="paper")
+
+
+def gpu_configurations():
+    """(dtype, head size, LaunchConfig) of every distinct configuration the GPUs launch, at a head size of its
+    bucket that is not a power of two; all but two of them run with ``-m slow``."""
+    default = {(9, "half", 64), (8, "float32", 16)}
+    seen = {}
+    for (generation, kind), table in triton_module.CONFIGS.items():
+        for bucket, config in table.items():
+            # The interpreter's own float16 stands in for both half types: only the tiling is checked here.
+            dtype = torch.float32 if kind == "float32" else torch.float16
+            marks = () if (generation, kind, bucket) in default else pytest.mark.slow
+            seen.setdefault((dtype, config), pytest.param(dtype, bucket * 5 // 8, config, marks=marks))
+    return list(seen.values())
+
+
+@pytest.mark.parametrize("dtype, head_dim, config", gpu_configurations(), ids=str)
+def test_gpu_launch_configurations(dtype, head_dim, config):
+    """Each kernel has its own blocks on a GPU (dkdv a tall key block, dq and the forward a tall query block):
+    outputs and gradients with those blocks, across tile borders, Nq < Nk, causal and padded."""
+    shape = (1, 2, 150, 170, head_dim, head_dim)
+    inputs, p = make_inputs(*shape, dtype)
+    run = lambda *args, **kwargs: triton_module.plap_attention_triton(*args, **kwargs, config=config)  # noqa: E731
+    check(run, inputs, p, dtype, attn_mask=make_mask("padding", *shape[:4]), is_causal=True, formulation="euler")

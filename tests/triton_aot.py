@@ -1,0 +1,152 @@
+"""Compile the fused Triton kernels ahead of time for NVIDIA GPUs, on a machine without one.
+
+Each case is one input configuration (architecture, dtype, head sizes, mask and formulation flags). Its three
+kernels are built with the launch functions of ``plap_attention_triton`` on small CPU tensors, so that the
+arguments, their specialisation (alignment, strides of 1) and the launch configuration are those of a real
+launch, and compiled by ``triton.compile`` for ``GPUTarget("cuda", arch, 32)``: Triton's own front end, the
+NVIDIA backend and the ``ptxas`` shipped in its wheel. No GPU or driver is involved.
+
+The interpreter (TRITON_INTERPRET=1, set by tests/conftest.py on CPU) replaces the kernels by interpreted
+functions, so compilation runs in child processes without it: ``run_cases`` starts
+
+    python tests/triton_aot.py cases.json
+
+each of which prints one JSON line per kernel: shared memory bytes, registers and spills (from ``ptxas -v``),
+compile seconds, or the error.
+"""
+
+import contextlib
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+KERNELS = ("fwd", "dkdv", "dq")
+
+
+def case_id(case):
+    flags = "".join(name for name, on in (("causal-", case["is_causal"]), ("padding-", case["key_mask"])) if on)
+    return (
+        f"sm{case['arch']}-{case['dtype']}-d{case['head_dim']}-dv{case['value_dim']}-{flags}"
+        f"{'euler' if case['euler'] else 'paper'}-nq{case['num_queries']}-nk{case['num_keys']}"
+    )
+
+
+def _launches(triton_module, case):
+    """The (name, Launch) of the three kernels for a case, on CPU tensors shaped as a small real input."""
+    batch, heads = 2, 3
+    dtype = DTYPES[case["dtype"]]
+    nq, nk, d, dv = case["num_queries"], case["num_keys"], case["head_dim"], case["value_dim"]
+    query = torch.zeros(batch, heads, nq, d, dtype=dtype)
+    key = torch.zeros(batch, heads, nk, d, dtype=dtype)
+    value = torch.zeros(batch, heads, nk, dv, dtype=dtype)
+    out = torch.zeros(batch, heads, nq, dv, dtype=dtype)
+    stats = torch.zeros(batch, heads, nq)  # lse, own weight, delta, own dot
+    exponent = torch.zeros(heads)
+    key_keep = torch.ones(batch, nk, dtype=torch.int8) if case["key_mask"] else None
+    grads = [torch.zeros(t.shape) for t in (query, key, value)]
+    config = triton_module.launch_config(dtype, d, dv, (case["arch"] // 10, case["arch"] % 10))
+    flags = (case["is_causal"], 1e-6, case["euler"], config)
+    fwd = triton_module.forward_launch(query, key, value, out, stats, stats, exponent, key_keep, *flags)
+    dkdv, dq = triton_module.backward_launches(
+        query, key, value, out, stats, stats, stats, stats, exponent, key_keep, *grads, *flags
+    )
+    return zip(KERNELS, (fwd, dkdv, dq))
+
+
+def _compile(launch, arch):
+    """triton.compile of a launch for an sm_<arch> target, specialised as JITFunction.run would."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    target = GPUTarget("cuda", arch, 32)
+    backend = make_backend(target)
+    kernel = launch.kernel
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    kwargs = dict(launch.meta)
+    bound, specialization, options = binder(*launch.args, **kwargs)
+    options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, specialization, options)
+    return triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target, options=options.__dict__)
+
+
+def _ptxas_usage(log):
+    """Registers and spill bytes from the ``ptxas -v`` log that Triton prints with TRITON_DUMP_PTXAS_LOG=1."""
+    registers = re.search(r"Used (\d+) registers", log)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    return dict(
+        registers=int(registers.group(1)) if registers else None,
+        spill_stores=int(spills.group(1)) if spills else None,
+        spill_loads=int(spills.group(2)) if spills else None,
+    )
+
+
+def compile_case(triton_module, case):
+    """One result dict per kernel of the case."""
+    results = []
+    for name, launch in _launches(triton_module, case):
+        result = dict(case=case_id(case), kernel=name, arch=case["arch"], meta=launch.meta)
+        start = time.perf_counter()
+        log = io.StringIO()
+        try:
+            with contextlib.redirect_stdout(log):
+                compiled = _compile(launch, case["arch"])
+            result.update(ok=True, shared=compiled.metadata.shared, **_ptxas_usage(log.getvalue()))
+        except Exception as error:  # reported to the test, which fails on it
+            message = f"{type(error).__name__}: {error}"
+            result.update(ok=False, error=message[-4000:], trace=traceback.format_exc()[-4000:])
+        result["seconds"] = round(time.perf_counter() - start, 2)
+        results.append(result)
+    return results
+
+
+def run_cases(cases, cache_dir, processes=2, timeout=1200):
+    """Compile every case in child processes without the interpreter; the list of their results.
+
+    ``cache_dir`` should be new and empty: a kernel found in Triton's cache would not be compiled again.
+    The cases are dealt round-robin to ``processes`` children (compilation is single-threaded).
+    """
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    env.update(
+        TRITON_CACHE_DIR=str(cache_dir),
+        TRITON_DUMP_PTXAS_LOG="1",
+        PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]),
+    )
+    children = []
+    for index in range(processes):
+        share = Path(cache_dir) / f"cases-{index}.json"
+        share.write_text(json.dumps(cases[index::processes]))
+        command = [sys.executable, str(Path(__file__).resolve()), str(share)]
+        children.append(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=ROOT,
+                                         text=True))  # fmt: skip
+    results = []
+    for child in children:
+        stdout, stderr = child.communicate(timeout=timeout)
+        if child.returncode != 0:
+            raise RuntimeError(f"the compile process failed ({child.returncode}):\n{stderr[-4000:]}")
+        results += [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+    return results
+
+
+def main():
+    from modeling_plat import plap_attention_triton as triton_module
+
+    if triton_module.INTERPRETED:
+        sys.exit("TRITON_INTERPRET is set: the kernels are interpreted functions and cannot be compiled")
+    for case in json.loads(Path(sys.argv[1]).read_text()):
+        for result in compile_case(triton_module, case):
+            print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()
