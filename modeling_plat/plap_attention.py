@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.weak import WeakIdKeyDictionary
 
+from .float32_matmul import float32_baddbmm
+
 FORMULATIONS = ("paper", "euler")
 BACKENDS = ("auto", "eager", "tiled", "triton")
 # Per intra-op thread, up to this many scores in all (B * H * Nq * Nk, the heads with p != 2) the eager path
@@ -26,8 +28,6 @@ BACKENDS = ("auto", "eager", "tiled", "triton")
 # not (AMD EPYC, torch 2.13): with 1 thread eager and tiled tie between 16k and 64k scores at d = 16 and
 # between 64k and 256k at d = 64; with 2 threads the ties move to 64k-256k and ~256k.
 EAGER_MAX_SCORES_PER_THREAD_CPU = 65536
-# As int32: keeps the sign, the exponent and the 10 mantissa bits of TF32 of a float32 (0xFFFFE000).
-TF32_MASK = -(1 << 13)
 
 
 def _allowed_positions(attn_mask, is_causal, num_queries, num_keys, device):
@@ -48,69 +48,6 @@ def _self_pairs(num_queries, num_keys, device):
     """(Nq, Nk) boolean mask of the pairs (x, x): query i against its own key position Nk - Nq + i."""
     query_pos = torch.arange(num_queries, device=device) + (num_keys - num_queries)
     return torch.arange(num_keys, device=device)[None, :] == query_pos[:, None]
-
-
-def _tf32_split(x):
-    """(high, low): x's float32 values cut to the 10 mantissa bits of TF32 (exact in TF32), and x - high (exact)."""
-    high = (x.view(torch.int32) & TF32_MASK).view(torch.float32)
-    return high, x - high
-
-
-def _split_bmm(a, b, bmm=torch.bmm):
-    """a @ b of float32 batches to about float32 accuracy from three matmuls that round their inputs to TF32:
-    high.high + high.low + low.high, the low.low term being below float32 resolution (tf32x3)."""
-    a_high, a_low = _tf32_split(a)
-    b_high, b_low = _tf32_split(b)
-    return bmm(a_high, b_high) + (bmm(a_high, b_low) + bmm(a_low, b_high))
-
-
-class _SplitBmm(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, a, b):
-        ctx.save_for_backward(a, b)
-        return _split_bmm(a, b)
-
-    @staticmethod
-    def backward(ctx, grad):
-        a, b = ctx.saved_tensors
-        grad_a = _split_bmm(grad, b.transpose(1, 2)) if ctx.needs_input_grad[0] else None
-        grad_b = _split_bmm(a.transpose(1, 2), grad) if ctx.needs_input_grad[1] else None
-        return grad_a, grad_b
-
-
-def _cuda_matmul_allows_tf32():
-    """Whether CUDA float32 matmuls may round their inputs to TF32 (allow_tf32, float32 matmul precision
-    "high" or "medium")."""
-    try:
-        return torch.backends.cuda.matmul.fp32_precision == "tf32"  # PyTorch >= 2.9, set by either API
-    except AttributeError:
-        return torch.backends.cuda.matmul.allow_tf32
-
-
-def _tf32_may_round(tensor):
-    return tensor.dtype == torch.float32 and tensor.device.type == "cuda" and _cuda_matmul_allows_tf32()
-
-
-def float32_baddbmm(input, batch1, batch2, alpha=1):
-    """``torch.baddbmm(input, batch1, batch2, alpha=alpha)`` to float32 accuracy, also under TF32.
-
-    For the matmuls that form a squared distance |x|^2 + |y|^2 - 2 x.y or multiply its gradient: where CUDA
-    runs float32 matmuls in TF32, the 2^-11 rounding of their inputs becomes an O(1) error of near-coinciding
-    values after the cancellation, exactly where the p-Laplacian weight is largest. There, each float32
-    operand is split into a TF32 part and the rest and three matmuls make up the product (also in backward);
-    elsewhere this is torch.baddbmm.
-    """
-    if _tf32_may_round(batch1):
-        return torch.add(input, _SplitBmm.apply(batch1, batch2), alpha=alpha)
-    return torch.baddbmm(input, batch1, batch2, alpha=alpha)
-
-
-def float32_baddbmm_(input, batch1, batch2, alpha=1):
-    """In place, ``input.baddbmm_(batch1, batch2, alpha=alpha)`` to float32 accuracy (see ``float32_baddbmm``);
-    for accumulations outside autograd, such as the tiled backend's."""
-    if _tf32_may_round(batch1):
-        return input.add_(_SplitBmm.apply(batch1, batch2), alpha=alpha)
-    return input.baddbmm_(batch1, batch2, alpha=alpha)
 
 
 def squared_value_distances(value, num_queries):

@@ -40,7 +40,7 @@ import math
 
 import torch
 
-from .plap_attention import float32_baddbmm_
+from .float32_matmul import float32_baddbmm_
 
 # Scores per tile, all heads of a batch block together: 2**18 float32 = 1 MiB per tile buffer. Measured
 # fwd+bwd (paper LM, ptb-tiny and DeiT-tiny shapes, 1 and 2 threads, AMD EPYC): 2**17 and 2**19 within the

@@ -14,8 +14,7 @@ from modeling_plat import plap_attention
 from reference import reference_plap_attention
 from tf32 import round_tf32, tf32_matmul
 
-# The module, not the function that modeling_plat exports under the same name.
-attention_module = importlib.import_module("modeling_plat.plap_attention")
+matmul_module = importlib.import_module("modeling_plat.float32_matmul")
 
 
 def near_coinciding_values(seed=0):
@@ -31,7 +30,7 @@ def relative_error(actual, expected):
 
 def test_tf32_split_is_exact():
     x = torch.randn(1000, generator=torch.Generator().manual_seed(0)) * 10.0 ** torch.arange(-20, 20).repeat(25)
-    high, low = attention_module._tf32_split(x)
+    high, low = matmul_module._tf32_split(x)
     assert torch.equal(round_tf32(high), high)  # the high part is a TF32 number
     assert torch.equal(high + low, x)  # and the low part holds the rest exactly
     assert (low.abs() <= x.abs() * 2.0**-10).all()
@@ -49,7 +48,7 @@ def test_split_distances_stay_at_float32_floor_under_tf32():
         return (sq_norm[:, :, None] + sq_norm[:, None, :] - 2 * cross).clamp_min(0)
 
     float32 = relative_error(distances(torch.bmm(values, values.transpose(1, 2))), exact)
-    split = relative_error(distances(attention_module._split_bmm(values, values.transpose(1, 2), tf32_matmul)), exact)
+    split = relative_error(distances(matmul_module._split_bmm(values, values.transpose(1, 2), tf32_matmul)), exact)
     plain_tf32 = relative_error(distances(tf32_matmul(values, values.transpose(1, 2))), exact)
     assert split <= 2 * float32
     assert plain_tf32 >= 100 * split
@@ -60,7 +59,7 @@ def test_split_bmm_gradients():
     a, b = torch.randn(3, 5, 7, generator=gen), torch.randn(3, 7, 4, generator=gen)
     grad = torch.randn(3, 5, 4, generator=gen)
     inputs = [t.clone().requires_grad_() for t in (a, b)]
-    ours = torch.autograd.grad(attention_module._SplitBmm.apply(*inputs), inputs, grad)
+    ours = torch.autograd.grad(matmul_module._SplitBmm.apply(*inputs), inputs, grad)
     inputs64 = [t.double().requires_grad_() for t in (a, b)]
     theirs = torch.autograd.grad(torch.bmm(*inputs64), inputs64, grad.double())
     for g_ours, g_theirs in zip(ours, theirs):
@@ -71,24 +70,24 @@ def test_cuda_tf32_setting_is_read(monkeypatch):
     previous = torch.get_float32_matmul_precision()
     try:
         torch.set_float32_matmul_precision("high")
-        assert attention_module._cuda_matmul_allows_tf32()
+        assert matmul_module._cuda_matmul_allows_tf32()
         torch.set_float32_matmul_precision("highest")
-        assert not attention_module._cuda_matmul_allows_tf32()
+        assert not matmul_module._cuda_matmul_allows_tf32()
     finally:
         torch.set_float32_matmul_precision(previous)
     cpu = torch.zeros(2, 2)
-    monkeypatch.setattr(attention_module, "_cuda_matmul_allows_tf32", lambda: True)
-    assert not attention_module._tf32_may_round(cpu)  # CPU matmuls have no TF32
+    monkeypatch.setattr(matmul_module, "_cuda_matmul_allows_tf32", lambda: True)
+    assert not matmul_module._tf32_may_round(cpu)  # CPU matmuls have no TF32
 
 
 @pytest.mark.parametrize("backend", ["eager", "tiled"])
 def test_backends_through_the_split(monkeypatch, backend):
     """Where TF32 would be on, eager and tiled take their distances through the split (and, for eager, its
     backward): forward and gradients still match the float64 reference."""
-    monkeypatch.setattr(attention_module, "_tf32_may_round", lambda tensor: tensor.dtype == torch.float32)
+    monkeypatch.setattr(matmul_module, "_tf32_may_round", lambda tensor: tensor.dtype == torch.float32)
     calls = []
-    split_apply = attention_module._SplitBmm.apply
-    monkeypatch.setattr(attention_module._SplitBmm, "apply", lambda *a: calls.append(1) or split_apply(*a))
+    split_apply = matmul_module._SplitBmm.apply
+    monkeypatch.setattr(matmul_module._SplitBmm, "apply", lambda *a: calls.append(1) or split_apply(*a))
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 3, 20, 8, generator=gen).requires_grad_() for _ in range(3))
     p = torch.tensor([1.5, 2.0, 2.5])
@@ -108,7 +107,7 @@ def tiled_errors_near_coinciding(monkeypatch=None, split=True):
     from modeling_plat.plap_attention_tiled import plap_attention_tiled
 
     if monkeypatch is not None:
-        plain_bmm, plain_baddbmm_, plain_split = torch.bmm, torch.Tensor.baddbmm_, attention_module._split_bmm
+        plain_bmm, plain_baddbmm_, plain_split = torch.bmm, torch.Tensor.baddbmm_, matmul_module._split_bmm
 
         def bmm(a, b, out=None):
             result = tf32_matmul(a, b) if a.dtype == torch.float32 else plain_bmm(a, b)
@@ -122,8 +121,8 @@ def tiled_errors_near_coinciding(monkeypatch=None, split=True):
 
         monkeypatch.setattr(torch, "bmm", bmm)
         monkeypatch.setattr(torch.Tensor, "baddbmm_", baddbmm_)
-        monkeypatch.setattr(attention_module, "_split_bmm", lambda a, b, bmm=None: plain_split(a, b, tf32_matmul))
-        monkeypatch.setattr(attention_module, "_tf32_may_round", lambda tensor: split and tensor.dtype == torch.float32)
+        monkeypatch.setattr(matmul_module, "_split_bmm", lambda a, b, bmm=None: plain_split(a, b, tf32_matmul))
+        monkeypatch.setattr(matmul_module, "_tf32_may_round", lambda tensor: split and tensor.dtype == torch.float32)
     gen = torch.Generator().manual_seed(0)
     centre = torch.randn(2, 2, 1, 16, generator=gen)
     value = (centre + 1e-3 * torch.randn(2, 2, 24, 16, generator=gen)).requires_grad_()

@@ -14,7 +14,7 @@ import transformers.trainer
 from tiny import run_without_plugin
 
 ROOT = Path(__file__).resolve().parents[1]
-MODELING_FILES = {"configuration_plat.py", "modeling_plat.py", "plap_attention.py", "plap_attention_tiled.py",
+MODELING_FILES = {"configuration_plat.py", "modeling_plat.py", "plap_attention.py", "plap_attention_tiled.py", "float32_matmul.py",
                   "plap_attention_triton.py"}
 RESULT_FILES = {"all_results.json", "train_results.json", "trainer_state.json",
                 "training_args.bin"}
