@@ -42,13 +42,16 @@ def study_cells(records):
     return cells
 
 
+def selection_results(task, records):
+    """{selection cell: its results} of the finished selection runs, as protocol.choose_learning_rate reads them."""
+    return {protocol.Cell(task, record["variant"], record["lr"], record["seed"], "selection"): record["results"]
+            for record in records if record["phase"] == "selection"}
+
+
 def selection_table(task, records):
     """Per main arm: the selection metric of each learning rate at the selection seed, and the one chosen."""
     spec = TASKS[task]
-    results = {}
-    for record in records:
-        if record["phase"] == "selection":
-            results[protocol.Cell(task, record["variant"], record["lr"], record["seed"], "selection")] = record["results"]
+    results = selection_results(task, records)
     return {arm: {"scores": {cell.lr: results[cell][spec.selection] for cell in protocol.selection_cells(task)
                              if cell.variant == arm and cell in results},
                   "chosen": protocol.choose_learning_rate(task, arm, results)}
@@ -62,6 +65,15 @@ def curve(record, task):
     steps = sorted(points)
     values = [math.exp(points[s]) if spec.curve_is_loss else points[s] for s in steps]
     return steps, values
+
+
+def progress(task, records):
+    """How much of the protocol's plan for ``task`` has finished: counts and the names of the missing cells."""
+    finished = {(record["variant"], record["lr"], record["seed"]) for record in records}
+    planned = protocol.planned_cells(selection_results(task, records), (task,))
+    missing = [f"{cell.variant}/lr{cell.lr}-seed{cell.seed}" if cell else "a cell waiting for the learning-rate selection"
+               for cell in planned if cell is None or (cell.variant, cell.lr, cell.seed) not in finished]
+    return {"planned": len(planned), "finished": len(planned) - len(missing), "missing": missing}
 
 
 def arm_summary(task, cells):
@@ -117,11 +129,19 @@ def _number(value, digits):
     return "n/a" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.{digits}f}"
 
 
-def markdown(task, selection, arms, found, gaps):
+def progress_line(done):
+    if not done["missing"]:
+        return f"All {done['planned']} cells of the protocol finished."
+    return (f"**Incomplete: {done['finished']} of {done['planned']} cells finished.** The intervals and p-values "
+            f"below come from the finished cells only and will move as the rest finish. Missing: "
+            + ", ".join(f"`{name}`" for name in done["missing"]) + ".")
+
+
+def markdown(task, done, selection, arms, found, gaps):
     spec = TASKS[task]
     digits = 4 if spec.higher_is_better else 1
     better = "higher" if spec.higher_is_better else "lower"
-    lines = [f"## {task}: `{spec.preset}`, {spec.steps} steps, `{spec.script}`", "",
+    lines = [f"## {task}: `{spec.preset}`, {spec.steps} steps, `{spec.script}`", "", progress_line(done), "",
              f"Primary endpoint `{spec.primary}` ({better} is better).", "",
              f"Learning rate chosen on `{spec.selection}` at seed {protocol.SELECTION_SEED}:", "",
              "| arm | " + " | ".join(f"lr {lr}" for lr in protocol.LEARNING_RATES) + " | chosen |",
@@ -135,8 +155,8 @@ def markdown(task, selection, arms, found, gaps):
         per_seed = ", ".join(_number(v, digits) for v in row["values"])
         lines.append(f"| {variant} | {row['lr']} | {len(row['seeds'])} | {_number(row['mean'], digits)} | "
                      f"[{_number(row['ci_low'], digits)}, {_number(row['ci_high'], digits)}] | {per_seed} |")
-    lines += ["", "Paired comparisons (difference = variant - reference, paired by seed; Holm across all comparisons "
-              "of both tasks):", "",
+    lines += ["", "Paired comparisons (difference = variant - reference, paired by seed; Holm across every comparison "
+              "reported in this file, both tasks):", "",
               "| variant | reference | pairs | mean difference | 95% interval | variant ahead | p | Holm p |",
               "|---|---|---|---|---|---|---|---|"]
     for row in found:
@@ -175,7 +195,8 @@ def plot_task(task, cells, arms, found, gaps, results_dir):
             axes[0].fill_between(steps, [b[1] for b in bands], [b[2] for b in bands], color=colors[variant], alpha=0.15)
     axes[0].set(xlabel="step", ylabel=ylabel, yscale="log" if spec.curve_is_loss else "linear",
                 title=f"{task}: mean over seeds, 95% band")
-    axes[0].legend(fontsize=8)
+    if cells:
+        axes[0].legend(fontsize=8)
     if gaps:
         steps = [g["step"] for g in gaps]
         axes[1].plot(steps, [g["mean_difference"] for g in gaps], "o-", color=colors["paper_mix"])
@@ -244,7 +265,8 @@ def summarize(runs_dir, results_dir, tasks=tuple(TASKS), with_diagnostics=False)
         if not records:
             continue
         cells = study_cells(records)
-        per_task[task] = {"records": records, "cells": cells, "selection": selection_table(task, records),
+        per_task[task] = {"records": records, "cells": cells, "progress": progress(task, records),
+                          "selection": selection_table(task, records),
                           "arms": arm_summary(task, cells), "comparisons": comparisons(task, cells),
                           "gaps": gap_along_training(task, cells)}
     family = [row for summary in per_task.values() for row in summary["comparisons"]]
@@ -255,7 +277,7 @@ def summarize(runs_dir, results_dir, tasks=tuple(TASKS), with_diagnostics=False)
                 "`experiments/README.md`.", ""]
     for task, summary in per_task.items():
         write_raw_runs(task, summary["records"], results_dir)
-        sections += [markdown(task, summary["selection"], summary["arms"], summary["comparisons"], summary["gaps"]), ""]
+        sections += [markdown(task, summary["progress"], summary["selection"], summary["arms"], summary["comparisons"], summary["gaps"]), ""]
         sections += [f"![{path.stem}]({path.name})"
                      for path in plot_task(task, summary["cells"], summary["arms"], summary["comparisons"],
                                            summary["gaps"], results_dir)]

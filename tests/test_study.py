@@ -126,6 +126,20 @@ def test_summary_writes_tables_raw_runs_and_plots(finished_study, tmp_path):
         assert (results_dir / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"({name})" in table
 
 
+def test_a_partial_study_says_what_is_missing(finished_study, tmp_path):
+    (finished_study / "ptb" / "paper_mix" / "lr1e-3-seed6" / "cell.json").unlink()
+    numbers = summarize.summarize(finished_study, tmp_path / "partial", tasks=["ptb"])["ptb"]
+    assert numbers["progress"] == {"planned": 22, "finished": 21, "missing": ["paper_mix/lr1e-3-seed6"]}
+    row = next(r for r in numbers["comparisons"] if (r["variant"], r["reference"]) == ("paper_mix", "softmax"))
+    assert row["seeds"] == [1, 2, 3, 4, 5]
+    assert "**Incomplete: 21 of 22 cells finished.**" in (tmp_path / "partial" / "study.md").read_text()
+
+
+def test_a_finished_study_says_so(finished_study, tmp_path):
+    summarize.summarize(finished_study, tmp_path / "results", tasks=["ptb"])
+    assert "All 22 cells of the protocol finished." in (tmp_path / "results" / "study.md").read_text()
+
+
 def test_dry_run_prints_the_selection_cells_first(capsys, tmp_path):
     run_grid.main(["--dry_run", "--tasks", "ptb", "--runs_dir", str(tmp_path)])
     lines = capsys.readouterr().out.strip().splitlines()
