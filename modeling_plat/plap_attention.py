@@ -172,13 +172,15 @@ def resolve_backend(backend, query, key=None, attn_mask=None, p=None, value=None
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}")
     p_trains = p is not None and p.requires_grad and torch.is_grad_enabled()
+    values = None if p is None else host_values(p)
+    max_p = max(values) if values else None
     if backend == "auto":
         if p_trains:
             return "eager"
         if query.device.type == "cuda":
             from .plap_attention_triton import triton_unsupported_reason
 
-            if triton_unsupported_reason(query, key, value, attn_mask) is None:
+            if triton_unsupported_reason(query, key, value, attn_mask, max_p) is None:
                 return "triton"
         num_keys = query.shape[-2] if key is None else key.shape[-2]
         scores = query.shape[:-1].numel() * num_keys
@@ -189,7 +191,7 @@ def resolve_backend(backend, query, key=None, attn_mask=None, p=None, value=None
     if backend == "triton":
         from .plap_attention_triton import triton_unsupported_reason
 
-        reason = triton_unsupported_reason(query, key, value, attn_mask)
+        reason = triton_unsupported_reason(query, key, value, attn_mask, max_p)
         if reason is not None:
             raise ValueError(f"backend 'triton' cannot run this input: {reason}")
     return backend
@@ -199,6 +201,20 @@ def resolve_backend(backend, query, key=None, attn_mask=None, p=None, value=None
 _HOST_P = WeakIdKeyDictionary()
 
 
+def host_values(p):
+    """p's values as a Python list (read from a GPU once per tensor and in-place version), or None while
+    torch.compile traces, where reading them would break the graph."""
+    if torch.compiler.is_compiling():
+        return None
+    if p.device.type == "cpu":
+        return p.tolist()
+    version, values = _HOST_P.get(p, (None, None))
+    if version != p._version:
+        values = p.tolist()
+        _HOST_P[p] = (p._version, values)
+    return values
+
+
 def head_groups(p):
     """Runs of consecutive heads as (first, end, softmax), softmax True for a run of p = 2 heads.
 
@@ -206,15 +222,9 @@ def head_groups(p):
     requires grad (SDPA has no gradient for p).
     """
     num_heads = p.shape[0]
-    if torch.compiler.is_compiling() or (p.requires_grad and torch.is_grad_enabled()):
+    values = host_values(p)
+    if values is None or (p.requires_grad and torch.is_grad_enabled()):
         return [(0, num_heads, False)]
-    if p.device.type == "cpu":
-        values = p.tolist()
-    else:
-        version, values = _HOST_P.get(p, (None, None))
-        if version != p._version:
-            values = p.tolist()
-            _HOST_P[p] = (p._version, values)
     groups = []
     for head, value in enumerate(values):
         softmax = value == 2

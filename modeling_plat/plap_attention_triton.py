@@ -65,6 +65,10 @@ MAX_OFFSET = 2**31 - 1
 FLOAT32_DOT = constexpr("tf32x3")
 # Keeps the sign, the exponent and the 10 mantissa bits of TF32 of a float32.
 TF32_MASK = constexpr(0xFFFFE000)
+# The kernels multiply the weights A * P, cast to the inputs' dtype, with the values in half-precision matmuls.
+# For p <= 3, P = (|v_x - v_y|^2 + eps)^((p - 2) / 2) is at most about the value distance itself; for larger p
+# it can pass float16's largest value (65,504) with ordinary activations (at p = 4, distances above 256).
+FLOAT16_MAX_P = 3.0
 # Row max start: finite, so that rows with no allowed key so far give exp(-inf - MIN) = 0, never NaN.
 MIN_SCORE = constexpr(-1.0e38)
 
@@ -142,11 +146,13 @@ def launch_config(dtype, head_dim, value_dim, capability):
     return _configs(dtype, capability).get(max(padded_head_size(head_dim), padded_head_size(value_dim)))
 
 
-def triton_unsupported_reason(query, key=None, value=None, attn_mask=None):
+def triton_unsupported_reason(query, key=None, value=None, attn_mask=None, max_p=None):
     """None when the Triton kernels can run this input, else why not (a phrase for an error message).
 
-    ``key`` and ``value`` default to ``query``'s shape and dtype. Every limit is static (shapes, dtypes,
-    the device's compute capability, the Triton version), so that ``auto`` can choose another backend.
+    ``key`` and ``value`` default to ``query``'s shape and dtype; ``max_p`` is the largest p of the heads
+    (None: not checked, as while torch.compile traces, where p's values cannot be read). Every limit is
+    static (shapes, dtypes, p, the device's compute capability, the Triton version), so that ``auto`` can
+    choose another backend.
     """
     key = query if key is None else key
     value = key if value is None else value
@@ -164,7 +170,7 @@ def triton_unsupported_reason(query, key=None, value=None, attn_mask=None):
             f"the kernels need CUDA tensors, got {query.device.type} (CPU tensors run only under the Triton "
             "interpreter, TRITON_INTERPRET=1 set before import)"
         )
-    return reason or _input_reason(query, key, value, attn_mask)
+    return reason or _input_reason(query, key, value, attn_mask, max_p)
 
 
 def capability_reason(capability, dtype, head_dim, value_dim):
@@ -178,9 +184,12 @@ def capability_reason(capability, dtype, head_dim, value_dim):
     return None
 
 
-def _input_reason(query, key, value, attn_mask):
+def _input_reason(query, key, value, attn_mask, max_p):
     if query.dtype not in SUPPORTED_DTYPES:
         return f"dtype {query.dtype} is not one of {SUPPORTED_DTYPES}"
+    if query.dtype == torch.float16 and max_p is not None and max_p > FLOAT16_MAX_P:
+        return (f"float16 with p = {max_p:g}: above p = {FLOAT16_MAX_P:g} the weights (|v_x - v_y|^2 + eps)^((p - 2)"
+                " / 2) can pass float16's largest value in the kernels' half-precision matmuls (use bfloat16)")
     if not query.dtype == key.dtype == value.dtype:
         return f"query, key and value dtypes differ ({query.dtype}, {key.dtype}, {value.dtype})"
     if not query.device == key.device == value.device:
@@ -675,7 +684,8 @@ def plap_attention_triton(
 ):
     """p-Laplacian attention with fused kernels; arguments as ``plap_attention`` (inputs checked there).
 
-    ``p`` is an (H,) tensor and gets no gradient. ``attn_mask`` must be a key-padding mask (see
+    ``p`` is an (H,) tensor and gets no gradient; its float16 limit (``FLOAT16_MAX_P``) is checked by
+    ``plap_attention``'s dispatcher, which keeps p's host copy. ``attn_mask`` must be a key-padding mask (see
     ``triton_unsupported_reason``). ``config`` (a LaunchConfig) overrides the one of the GPU, and ``blocks`` =
     (BLOCK_M, BLOCK_N) the tile sizes of all three kernels (tests cross tile borders with them).
     """

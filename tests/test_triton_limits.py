@@ -13,7 +13,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from modeling_plat import plap_attention_triton as triton_module
-from modeling_plat.plap_attention import resolve_backend
+from modeling_plat.plap_attention import plap_attention, resolve_backend
 from test_triton_compile import DEFAULT_CASES
 
 pytestmark = pytest.mark.skipif(triton_module.triton is None, reason="triton is not installed")
@@ -116,6 +116,36 @@ def test_many_heads_and_large_tensors_are_fine(gpu):
         # (B, N, H, d) projections viewed as (B, H, N, d): one head's rows are H * d apart.
         projected = torch.empty(1, 2**21, 32, 64, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
         assert choose(projected, projected, projected, None) == "tiled"
+
+
+def test_float16_with_large_p_goes_to_tiled(gpu):
+    """Above FLOAT16_MAX_P the weights can overflow float16 in the kernels' matmuls: auto takes tiled (float32
+    inside); bfloat16, and float16 at the paper's p, stay on triton. Under torch.compile p is not read."""
+    mix, large = torch.tensor([1.5, 1.5, 2.5, 2.5]), torch.tensor([1.5, 4.0, 2.0, 2.5])
+    with gpu((9, 0)):
+        q, k, v, _ = cuda_inputs(dtype=torch.float16)
+        assert resolve_backend("auto", q, k, None, mix, v) == "triton"
+        assert resolve_backend("auto", q, k, None, large, v) == "tiled"
+        with pytest.raises(ValueError, match="float16 with p = 4: above p = 3 .*use bfloat16"):
+            resolve_backend("triton", q, k, None, large, v)
+        q, k, v, _ = cuda_inputs(dtype=torch.bfloat16)
+        assert resolve_backend("auto", q, k, None, large, v) == "triton"
+
+
+@pytest.mark.skipif(not triton_module.INTERPRETED, reason="launches the kernels under the interpreter")
+def test_the_float16_limit_on_p_is_real():
+    """p = 5, uniform attention over 127 equal values and one at distance 45: P = 45^3 = 91,125 passes float16's
+    65,504 inside the kernels although every output (at most 91,125 * 45 / 128) fits."""
+    q = torch.zeros(1, 1, 128, 16, dtype=torch.float16)
+    v = torch.zeros(1, 1, 128, 16, dtype=torch.float16)
+    v[0, 0, -1, 0] = 45
+    p = torch.tensor([5.0])
+    reference = plap_attention(q.double(), q.double(), v.double(), p, backend="eager")
+    assert reference.abs().max() < torch.finfo(torch.float16).max
+    assert not torch.isfinite(triton_module.plap_attention_triton(q, q, v, p)).all()
+    torch.testing.assert_close(plap_attention(q, q, v, p, backend="tiled").double(), reference, rtol=2e-3, atol=1e-3)
+    with pytest.raises(ValueError, match="float16 with p = 5"):
+        plap_attention(q, q, v, p, backend="triton")
 
 
 def test_old_triton_goes_to_tiled(gpu, monkeypatch):
