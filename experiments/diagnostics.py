@@ -289,6 +289,21 @@ def group_runs(results):
     return groups
 
 
+def summary_by_p(results):
+    """{group: {p: {metric: (median, min, max)}}} over every layer, head of that p and seed of each group."""
+    summary = {}
+    for group, runs in group_runs(results).items():
+        values = {}
+        for run in runs:
+            for layer in run["layers"]:
+                for head, p in enumerate(layer["p"]):
+                    for metric in PER_HEAD_METRICS:
+                        values.setdefault(p, {}).setdefault(metric, []).append(layer[metric][head])
+        summary[group] = {p: {metric: (float(np.median(v)), float(np.min(v)), float(np.max(v)))
+                              for metric, v in metrics.items()} for p, metrics in sorted(values.items())}
+    return summary
+
+
 def per_head(runs, metric, head):
     """(seeds, layers) array of one head's metric."""
     return np.array([[layer[metric][head] for layer in run["layers"]] for run in runs])

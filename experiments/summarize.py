@@ -248,12 +248,38 @@ def write_raw_runs(task, records, results_dir):
 
 
 def run_diagnostics(task, cells, runs_dir, results_dir):
-    """The per-head diagnostics of every seed's final model, for every variant of the study."""
+    """The per-head diagnostics of every seed's final model, for every variant of the study: the markdown of
+    their summary by p (diagnostics.json and the PNGs go to ``diagnostics/<task>/``)."""
     import diagnostics
 
     models = {f"{variant}/seed{seed}": Path(runs_dir) / task / variant / f"lr{record['lr']}-seed{seed}"
               for variant, runs in cells.items() for seed, record in sorted(runs.items())}
-    return diagnostics.run(models, TASKS[task].diagnostics_task, Path(results_dir) / "diagnostics" / task)
+    out_dir = Path(results_dir) / "diagnostics" / task
+    diagnostics.run(models, TASKS[task].diagnostics_task, out_dir)
+    report = json.loads((out_dir / "diagnostics.json").read_text())
+    return diagnostics_markdown(task, diagnostics.summary_by_p(report["models"]))
+
+
+DIAGNOSTIC_COLUMNS = {
+    "energy_rate": "dJ/dtau / J, Euler direction",
+    "step_energy_ratio": "J(MV) / J(V)",
+    "max_offdiag_rowsum": "max off-diagonal row sum of A*P",
+    "attention_hc_dc_gain": "HC/DC gain",
+    "attention_hc_dc_gain_without_self_weight": "HC/DC gain, self pair's P = 1",
+    "lambda_max_effective": "lambda_max(M)",
+}
+
+
+def diagnostics_markdown(task, summary):
+    lines = [f"Per-head diagnostics of every seed's final model (`diagnostics/{task}/`; definitions in "
+             "`experiments/diagnostics.py`): median [min, max] over layers, heads of that p and seeds.", "",
+             "| variant | p | " + " | ".join(DIAGNOSTIC_COLUMNS.values()) + " |",
+             "|---|---|" + "---|" * len(DIAGNOSTIC_COLUMNS)]
+    for variant, by_p in summary.items():
+        for p, metrics in by_p.items():
+            cells = [f"{metrics[m][0]:.3g} [{metrics[m][1]:.3g}, {metrics[m][2]:.3g}]" for m in DIAGNOSTIC_COLUMNS]
+            lines.append(f"| {variant} | {p:g} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def summarize(runs_dir, results_dir, tasks=tuple(TASKS), with_diagnostics=False):
@@ -282,8 +308,7 @@ def summarize(runs_dir, results_dir, tasks=tuple(TASKS), with_diagnostics=False)
                      for path in plot_task(task, summary["cells"], summary["arms"], summary["comparisons"],
                                            summary["gaps"], results_dir)]
         if with_diagnostics:
-            run_diagnostics(task, summary["cells"], runs_dir, results_dir)
-            sections.append(f"\nPer-head diagnostics of every seed's model: `diagnostics/{task}/`.")
+            sections += ["", run_diagnostics(task, summary["cells"], runs_dir, results_dir)]
         sections.append("")
     (results_dir / "study.md").write_text("\n".join(sections))
     numbers = {task: {k: v for k, v in summary.items() if k not in ("records", "cells")}

@@ -199,3 +199,17 @@ def test_a_transformers_vit_checkpoint_is_measured_as_its_softmax_baseline(tmp_p
     assert [layer["p"] for layer in result["layers"]] == [[2.0, 2.0, 2.0]] * 2
     for layer in result["layers"]:
         assert layer["lambda_max_effective"] == pytest.approx(layer["lambda_max_softmax"])
+
+
+def test_summary_by_p_pools_layers_heads_and_seeds_of_one_p():
+    def run(energy_rates):
+        metrics = {name: [0.0] * 3 for name in diagnostics.PER_HEAD_METRICS}
+        return {"layers": [{"p": [1.5, 1.5, 2.5], **metrics, "energy_rate": rates} for rates in energy_rates]}
+
+    results = {"mix/seed1": run([[1.0, 2.0, 10.0], [3.0, 4.0, 20.0]]), "mix/seed2": run([[5.0, 6.0, 30.0]]),
+               "softmax": run([[7.0, 8.0, 40.0]])}
+    summary = diagnostics.summary_by_p(results)
+    assert set(summary) == {"mix", "softmax"} and list(summary["mix"]) == [1.5, 2.5]
+    assert summary["mix"][1.5]["energy_rate"] == (3.5, 1.0, 6.0)  # median of 1..6
+    assert summary["mix"][2.5]["energy_rate"] == (20.0, 10.0, 30.0)
+    assert summary["softmax"][2.5]["energy_rate"] == (40.0, 40.0, 40.0)
