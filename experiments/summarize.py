@@ -125,6 +125,11 @@ def gap_along_training(task, cells, variant="paper_mix", reference=BASELINE):
 # --- Report ----------------------------------------------------------------------------------------------
 
 
+def _p(value):
+    """A p-value as a reader compares it with 0.05: three decimals, or two significant digits below 0.001."""
+    return f"{value:.3f}" if value >= 0.001 else f"{value:.1e}"
+
+
 def _number(value, digits):
     return "n/a" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.{digits}f}"
 
@@ -162,13 +167,13 @@ def markdown(task, done, selection, arms, found, gaps):
     for row in found:
         lines.append(f"| {row['variant']} | {row['reference']} | {row['n']} | {row['mean_difference']:+.{digits}f} | "
                      f"[{row['ci_low']:+.{digits}f}, {row['ci_high']:+.{digits}f}] | "
-                     f"{row['variant_ahead']} of {row['n']} | {row['p_value']:.3f} | {row['holm_p']:.3f} |")
+                     f"{row['variant_ahead']} of {row['n']} | {_p(row['p_value'])} | {_p(row['holm_p'])} |")
     if gaps:
         what = "validation perplexity" if spec.curve_is_loss else "validation top-1 accuracy"
         lines += ["", f"Gap along training, paper_mix - {BASELINE}, {what} (paired, 95% interval):", "",
                   "| step | pairs | mean difference | 95% interval | p |", "|---|---|---|---|---|"]
         lines += [f"| {g['step']} | {g['n']} | {g['mean_difference']:+.{digits}f} | "
-                  f"[{g['ci_low']:+.{digits}f}, {g['ci_high']:+.{digits}f}] | {g['p_value']:.3f} |" for g in gaps]
+                  f"[{g['ci_low']:+.{digits}f}, {g['ci_high']:+.{digits}f}] | {_p(g['p_value'])} |" for g in gaps]
     return "\n".join(lines)
 
 
@@ -223,7 +228,7 @@ def plot_task(task, cells, arms, found, gaps, results_dir):
                          fmt="o", color="black", capsize=4)
         axes[1].scatter(row["differences"], [i] * row["n"], color=colors[row["variant"]], s=14, alpha=0.6)
     axes[1].axvline(0, color="grey", lw=0.8)
-    axes[1].set_yticks(range(len(found)), [f"{r['variant']} - {r['reference']}\n(Holm p {r['holm_p']:.2f})" for r in found],
+    axes[1].set_yticks(range(len(found)), [f"{r['variant']} - {r['reference']}\n(Holm p {_p(r['holm_p'])})" for r in found],
                        fontsize=8)
     axes[1].set(xlabel=f"paired difference in {spec.primary}", title="paired differences, 95% interval; dots: seeds")
     paths.append(_save(fig, Path(results_dir) / f"{task}_endpoints.png"))
