@@ -85,7 +85,9 @@ def arm_summary(task, cells):
             continue
         values = [runs[seed]["results"][spec.primary] for seed in sorted(runs)]
         mean, low, high = paired_stats.mean_interval(values)
+        largest_gradients = [max(entry.get("grad_norm", 0.0) for entry in runs[seed]["log_history"]) for seed in sorted(runs)]
         summary[variant] = {"seeds": sorted(runs), "lr": next(iter(runs.values()))["lr"], "values": values,
+                            "largest_grad_norm": largest_gradients,
                             "mean": mean, "ci_low": low, "ci_high": high}
     return summary
 
@@ -154,12 +156,14 @@ def markdown(task, done, selection, arms, found, gaps):
     for arm, row in selection.items():
         cells = [_number(row["scores"].get(lr), digits) for lr in protocol.LEARNING_RATES]
         lines.append(f"| {arm} | " + " | ".join(cells) + f" | {row['chosen'] or 'pending'} |")
-    lines += ["", "Every arm at its learning rate (mean and t-based 95% interval over seeds; each seed's value):", "",
-              "| arm | lr | seeds | mean | 95% interval | per seed |", "|---|---|---|---|---|---|"]
+    lines += ["", "Every arm at its learning rate (mean and t-based 95% interval over seeds; each seed's value; each "
+              "seed's largest gradient norm before clipping to 1.0):", "",
+              "| arm | lr | seeds | mean | 95% interval | per seed | largest gradient norm |", "|---|---|---|---|---|---|---|"]
     for variant, row in arms.items():
         per_seed = ", ".join(_number(v, digits) for v in row["values"])
+        gradients = ", ".join(f"{g:.3g}" for g in row["largest_grad_norm"])
         lines.append(f"| {variant} | {row['lr']} | {len(row['seeds'])} | {_number(row['mean'], digits)} | "
-                     f"[{_number(row['ci_low'], digits)}, {_number(row['ci_high'], digits)}] | {per_seed} |")
+                     f"[{_number(row['ci_low'], digits)}, {_number(row['ci_high'], digits)}] | {per_seed} | {gradients} |")
     lines += ["", "Paired comparisons (difference = variant - reference, paired by seed; Holm across every comparison "
               "reported in this file, both tasks):", "",
               "| variant | reference | pairs | mean difference | 95% interval | variant ahead | p | Holm p |",
@@ -312,7 +316,7 @@ def summarize(runs_dir, results_dir, tasks=tuple(TASKS), with_diagnostics=False)
         sections += [f"![{path.stem}]({path.name})"
                      for path in plot_task(task, summary["cells"], summary["arms"], summary["comparisons"],
                                            summary["gaps"], results_dir)]
-        if with_diagnostics:
+        if with_diagnostics and summary["cells"]:
             sections += ["", run_diagnostics(task, summary["cells"], runs_dir, results_dir)]
         sections.append("")
     (results_dir / "study.md").write_text("\n".join(sections))

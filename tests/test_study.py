@@ -28,6 +28,8 @@ def fake_cell(runs_dir, cell, primary, selection=None):
     folder.mkdir(parents=True)
     # Validation loss along training: the curve ends at the primary endpoint's log.
     history = [{"step": step, "eval_loss": math.log(primary) + (PTB.steps - step) / 1000} for step in range(75, 451, 75)]
+    # Training log entries with a gradient norm that peaks at the seed's number.
+    history += [{"step": step, "loss": 5.0, "grad_norm": cell.seed * step / 450} for step in (25, 450, 300)]
     (folder / "trainer_state.json").write_text(json.dumps({"log_history": history}))
     results = {PTB.primary: primary, PTB.selection: selection if selection is not None else primary + 10}
     record = {"task": cell.task, "variant": cell.variant, "lr": cell.lr, "seed": cell.seed, "phase": cell.phase,
@@ -109,6 +111,7 @@ def test_summary_numbers_are_the_paired_statistics(finished_study, tmp_path):
     assert control["seeds"] == [1, 2, 3]
     family = [r["p_value"] for r in numbers["comparisons"]]
     assert [r["holm_p"] for r in numbers["comparisons"]] == pytest.approx(paired_stats.holm(family))
+    assert numbers["arms"]["softmax"]["largest_grad_norm"] == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
     assert [g["step"] for g in numbers["gaps"]] == list(range(75, 451, 75))
     assert numbers["gaps"][-1]["mean_difference"] == pytest.approx(main["mean_difference"])
 
