@@ -313,11 +313,12 @@ def summarize(runs_dir, results_dir, tasks=tuple(TASKS), with_diagnostics=False)
     for task, summary in per_task.items():
         write_raw_runs(task, summary["records"], results_dir)
         sections += [markdown(task, summary["progress"], summary["selection"], summary["arms"], summary["comparisons"], summary["gaps"]), ""]
-        sections += [f"![{path.stem}]({path.name})"
-                     for path in plot_task(task, summary["cells"], summary["arms"], summary["comparisons"],
-                                           summary["gaps"], results_dir)]
-        if with_diagnostics and summary["cells"]:
-            sections += ["", run_diagnostics(task, summary["cells"], runs_dir, results_dir)]
+        if summary["cells"]:  # the learning-rate selection alone has no plots
+            sections += [f"![{path.stem}]({path.name})"
+                         for path in plot_task(task, summary["cells"], summary["arms"], summary["comparisons"],
+                                               summary["gaps"], results_dir)]
+            if with_diagnostics:
+                sections += ["", run_diagnostics(task, summary["cells"], runs_dir, results_dir)]
         sections.append("")
     (results_dir / "study.md").write_text("\n".join(sections))
     numbers = {task: {k: v for k, v in summary.items() if k not in ("records", "cells")}
