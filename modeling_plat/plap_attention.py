@@ -150,7 +150,7 @@ def _check_inputs(query, key, value, p, attn_mask, eps, formulation):
             ) from None
 
 
-def resolve_backend(backend, query, key=None, attn_mask=None, p=None, value=None):
+def resolve_backend(backend, query, key=None, attn_mask=None, p=None, value=None, max_p=None):
     """The backend that ``backend`` names for this input's heads with p != 2; "auto" picks the fastest correct one.
 
     eager: the reference above, (B, H, Nq, Nk) memory, any input, the only one that differentiates p.
@@ -167,13 +167,14 @@ def resolve_backend(backend, query, key=None, attn_mask=None, p=None, value=None
     thread, tiled above (O(N) memory); tiled otherwise. Heads with p = 2 take
     SDPA on every device and size: one fused kernel, faster than either.
     An explicit choice that cannot run the input raises a ValueError saying why; it is never replaced.
-    ``key`` and ``value`` default to ``query``'s shape and dtype.
+    ``key`` and ``value`` default to ``query``'s shape and dtype. ``max_p``, the largest of these heads' p, is
+    read from ``p`` when not given (``plap_attention`` gives it: a slice of p would be read anew every call).
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}")
     p_trains = p is not None and p.requires_grad and torch.is_grad_enabled()
-    values = None if p is None else host_values(p)
-    max_p = max(values) if values else None
+    if max_p is None and p is not None:
+        max_p = _largest(host_values(p))
     if backend == "auto":
         if p_trains:
             return "eager"
@@ -199,6 +200,10 @@ def resolve_backend(backend, query, key=None, attn_mask=None, p=None, value=None
 
 # Host copies of p per tensor object and in-place version: a GPU synchronises once per p tensor, not per call.
 _HOST_P = WeakIdKeyDictionary()
+
+
+def _largest(values):
+    return max(values) if values else None
 
 
 def host_values(p):
@@ -299,7 +304,9 @@ def plap_attention(
     if p.dim() == 0:
         p = p.expand(query.shape[1])
     _check_inputs(query, key, value, p, attn_mask, eps, formulation)
-    resolve_backend(backend, query, key, attn_mask, p, value)  # an explicit backend that cannot run the input raises
+    values = host_values(p)
+    # An explicit backend that cannot run the input raises here.
+    resolve_backend(backend, query, key, attn_mask, p, value, max_p=_largest(values))
     num_heads = query.shape[1]
     outputs = []
     for first, end, softmax in head_groups(p):
@@ -309,6 +316,7 @@ def plap_attention(
             outputs.append(softmax_attention(q, k, v, mask, is_causal))
         else:
             group_p = p[first:end]
-            group_backend = resolve_backend(backend, q, k, mask, group_p, v)
+            group_max_p = _largest(values and values[first:end])
+            group_backend = resolve_backend(backend, q, k, mask, group_p, v, max_p=group_max_p)
             outputs.append(_run_backend(group_backend, q, k, v, group_p, mask, is_causal, eps, formulation))
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs, 1)  # (B, H, Nq, dv)
