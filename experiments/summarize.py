@@ -262,7 +262,7 @@ def run_diagnostics(task, cells, runs_dir, results_dir):
     import diagnostics
 
     models = {f"{variant}/seed{seed}": Path(runs_dir) / task / variant / f"lr{record['lr']}-seed{seed}"
-              for variant, runs in cells.items() for seed, record in sorted(runs.items())}
+              for variant in VARIANTS if variant in cells for seed, record in sorted(cells[variant].items())}
     out_dir = Path(results_dir) / "diagnostics" / task
     diagnostics.run(models, TASKS[task].diagnostics_task, out_dir)
     report = json.loads((out_dir / "diagnostics.json").read_text())
