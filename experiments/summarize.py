@@ -71,7 +71,8 @@ def progress(task, records):
     """How much of the protocol's plan for ``task`` has finished: counts and the names of the missing cells."""
     finished = {(record["variant"], record["lr"], record["seed"]) for record in records}
     planned = protocol.planned_cells(selection_results(task, records), (task,))
-    missing = [f"{cell.variant}/lr{cell.lr}-seed{cell.seed}" if cell else "a cell waiting for the learning-rate selection"
+    missing = [f"{cell.variant}/lr{cell.lr}-seed{cell.seed}" if cell
+               else "a cell waiting for the learning-rate selection"
                for cell in planned if cell is None or (cell.variant, cell.lr, cell.seed) not in finished]
     return {"planned": len(planned), "finished": len(planned) - len(missing), "missing": missing}
 
@@ -85,7 +86,8 @@ def arm_summary(task, cells):
             continue
         values = [runs[seed]["results"][spec.primary] for seed in sorted(runs)]
         mean, low, high = paired_stats.mean_interval(values)
-        largest_gradients = [max(entry.get("grad_norm", 0.0) for entry in runs[seed]["log_history"]) for seed in sorted(runs)]
+        largest_gradients = [max(entry.get("grad_norm", 0.0) for entry in runs[seed]["log_history"])
+                             for seed in sorted(runs)]
         summary[variant] = {"seeds": sorted(runs), "lr": next(iter(runs.values()))["lr"], "values": values,
                             "largest_grad_norm": largest_gradients,
                             "mean": mean, "ci_low": low, "ci_high": high}
@@ -158,12 +160,14 @@ def markdown(task, done, selection, arms, found, gaps):
         lines.append(f"| {arm} | " + " | ".join(cells) + f" | {row['chosen'] or 'pending'} |")
     lines += ["", "Every arm at its learning rate (mean and t-based 95% interval over seeds; each seed's value; each "
               "seed's largest gradient norm before clipping to 1.0):", "",
-              "| arm | lr | seeds | mean | 95% interval | per seed | largest gradient norm |", "|---|---|---|---|---|---|---|"]
+              "| arm | lr | seeds | mean | 95% interval | per seed | largest gradient norm |",
+              "|---|---|---|---|---|---|---|"]
     for variant, row in arms.items():
         per_seed = ", ".join(_number(v, digits) for v in row["values"])
         gradients = ", ".join(f"{g:.3g}" for g in row["largest_grad_norm"])
         lines.append(f"| {variant} | {row['lr']} | {len(row['seeds'])} | {_number(row['mean'], digits)} | "
-                     f"[{_number(row['ci_low'], digits)}, {_number(row['ci_high'], digits)}] | {per_seed} | {gradients} |")
+                     f"[{_number(row['ci_low'], digits)}, {_number(row['ci_high'], digits)}] | {per_seed} | "
+                     f"{gradients} |")
     lines += ["", "Paired comparisons (difference = variant - reference, paired by seed; Holm across every comparison "
               "reported in this file, both tasks):", "",
               "| variant | reference | pairs | mean difference | 95% interval | variant ahead | p | Holm p |",
@@ -312,7 +316,8 @@ def summarize(runs_dir, results_dir, tasks=tuple(TASKS), with_diagnostics=False)
                 "`experiments/README.md`.", ""]
     for task, summary in per_task.items():
         write_raw_runs(task, summary["records"], results_dir)
-        sections += [markdown(task, summary["progress"], summary["selection"], summary["arms"], summary["comparisons"], summary["gaps"]), ""]
+        sections += [markdown(task, summary["progress"], summary["selection"], summary["arms"], summary["comparisons"],
+                              summary["gaps"]), ""]
         if summary["cells"]:  # the learning-rate selection alone has no plots
             sections += [f"![{path.stem}]({path.name})"
                          for path in plot_task(task, summary["cells"], summary["arms"], summary["comparisons"],
