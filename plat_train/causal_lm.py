@@ -23,7 +23,14 @@ from transformers import AutoTokenizer, HfArgumentParser, default_data_collator,
 from .arguments import ModelArguments, PlatTrainingArguments, parse_args
 from .model_cards import PTB_DATASET
 from .model_setup import build_config, load_model
-from .runs import detect_last_checkpoint, explain_offline_errors, record_metrics, setup_logging
+from .runs import (
+    check_launch,
+    detect_last_checkpoint,
+    explain_offline_errors,
+    record_metrics,
+    release_process_group,
+    setup_logging,
+)
 from .text_data import (
     iter_texts,
     load_raw_splits,
@@ -198,6 +205,7 @@ def model_card_fields(model_args, data_args):
 def main(args=None):
     parser = HfArgumentParser((TextModelArguments, DataArguments, PlatTrainingArguments))
     model_args, data_args, training_args = parse_args(parser, args)
+    check_launch(training_args)
     if model_args.model_type is None and not (model_args.config_name or model_args.model_name_or_path):
         raise ValueError("Choose a model: --config_name (a preset or path), --model_name_or_path or --model_type plat")
     setup_logging(training_args)
@@ -279,6 +287,7 @@ def main(args=None):
         trainer.push_to_hub(**card)
     else:
         trainer.create_model_card(**card)
+    release_process_group()
 
 
 if __name__ == "__main__":

@@ -31,7 +31,14 @@ from .arguments import ModelArguments, PlatTrainingArguments, parse_args
 from .ema import ModelEmaCallback
 from .model_cards import FASHION_MNIST_DATASET
 from .model_setup import build_config, load_model
-from .runs import detect_last_checkpoint, explain_offline_errors, record_metrics, setup_logging
+from .runs import (
+    check_launch,
+    detect_last_checkpoint,
+    explain_offline_errors,
+    record_metrics,
+    release_process_group,
+    setup_logging,
+)
 from .trainers import ImageClassificationTrainer
 from .vision_augment import MixupCutmix, TrainTransform
 from .vision_metrics import accuracy_metrics, top_k_indices
@@ -212,6 +219,7 @@ def collate(examples):
 def main(args=None):
     parser = HfArgumentParser((ImageModelArguments, DataArguments, AugmentArguments, PlatTrainingArguments))
     model_args, data_args, aug_args, training_args = parse_args(parser, args)
+    check_launch(training_args)
     # The transforms read the raw "image" column, which Trainer would drop as unused by the model.
     training_args.remove_unused_columns = False
     setup_logging(training_args)
@@ -298,6 +306,7 @@ def main(args=None):
         trainer.push_to_hub(**card)
     elif training_args.do_train:
         trainer.create_model_card(**card)
+    release_process_group()
 
 
 def evaluate_splits(trainer, splits, prefix):

@@ -1,17 +1,47 @@
-"""What every training job does around its Trainer: logging like the transformers examples, resuming from the
-last complete checkpoint, recording metrics, and clear messages when the Hub is needed but unreachable."""
+"""What every training job does around its Trainer: refusing a launch that could not train as one job, logging
+like the transformers examples, resuming from the last complete checkpoint, recording metrics, clear messages when
+the Hub is needed but unreachable, and ending the processes of a distributed run cleanly."""
 
 import contextlib
 import logging
+import os
 import sys
 from pathlib import Path
 
 import datasets
 import huggingface_hub
+import torch
 import transformers
+from transformers.utils import strtobool
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 logger = logging.getLogger(__name__)
+
+
+def check_launch(training_args):
+    """Refuse, before any work, a multi-process launch whose processes would not train as one job.
+
+    torchrun and ``accelerate launch`` set WORLD_SIZE / LOCAL_WORLD_SIZE. Without a GPU and without --use_cpu,
+    each process would fall back to training alone as rank 0 into the same output_dir; with more processes than
+    GPUs on a machine, the extra ones would have no device.
+    """
+    processes = int(os.environ.get("WORLD_SIZE", "1"))
+    use_cpu = training_args.use_cpu or strtobool(os.environ.get("ACCELERATE_USE_CPU", "false"))
+    if processes <= 1 or use_cpu:
+        return
+    accelerator = getattr(torch, "accelerator", torch.cuda)  # torch.accelerator from torch 2.6
+    if not accelerator.is_available():
+        raise ValueError(
+            f"{processes} processes were launched for one job, but this machine has no GPU, so each would train "
+            "alone as rank 0 into the same output_dir. To train on CPU processes joined over gloo, pass --use_cpu "
+            "(e.g. with the cpu-2-processes Accelerate config); otherwise launch one process, or run on GPUs."
+        )
+    local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", processes))
+    if local_processes > accelerator.device_count():
+        raise ValueError(
+            f"{local_processes} processes were launched on this machine but it has {accelerator.device_count()} "
+            "GPU(s): launch one process per GPU (accelerate's num_processes, torchrun's --nproc_per_node)."
+        )
 
 
 def setup_logging(training_args):
@@ -122,3 +152,15 @@ def record_metrics(trainer, split, metrics):
         trainer.log(new)
     trainer.log_metrics(split, metrics)
     trainer.save_metrics(split, metrics)
+
+
+def release_process_group():
+    """Destroy the distributed process group, if any, at the end of a job that succeeded.
+
+    Left to interpreter shutdown, gloo's worker threads can still hold finished work that references Python
+    tensors; freeing those while the interpreter is being torn down aborts the process ("terminate called
+    without an active exception") after the outputs are written, and the launcher reports the job as failed.
+    Not done after an error: a peer may still wait in a collective, and destroying the group would hang.
+    """
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()

@@ -11,6 +11,7 @@ import torch
 from modeling_plat import PlatConfig, PlatForCausalLM, PlatForImageClassification, PlatVisionConfig
 
 ROOT = Path(__file__).resolve().parents[1]
+ACCELERATE_CONFIGS = ROOT / "plat_train/presets/accelerate"
 
 
 def text_config(**kwargs):
@@ -72,7 +73,7 @@ def two_processes(launcher):
         return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
     if launcher == "accelerate":
         return [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                str(ROOT / "plat_train/presets/accelerate/cpu-2-processes.yaml"), "--main_process_port", str(free_port())]
+                str(ACCELERATE_CONFIGS / "cpu-2-processes.yaml"), "--main_process_port", str(free_port())]
     raise ValueError(f"launcher must be 'torchrun' or 'accelerate', got {launcher!r}")
 
 

@@ -1,7 +1,8 @@
 """Distributed training computes what one process computes: FSDP with one unit per module class named in
 ``_no_split_modules``, and both scripts under two-process DDP (torchrun and accelerate launch, gloo) against a
-single process with the same global batch. Each step here uses the whole training set, so data order cannot make
-a difference."""
+single process with the same global batch, every process exiting cleanly. Each step here uses the whole training
+set, so data order cannot make a difference. Launches that could not train as one job are refused before
+training."""
 
 import json
 import os
@@ -12,13 +13,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
-from tiny import two_processes
+from tiny import ACCELERATE_CONFIGS, free_port, two_processes
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT / "tests")}
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="torchrun with gloo on Linux/macOS")
+without_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without a GPU")
 
 
 def launch(script, *args, launcher=None):
@@ -27,6 +30,7 @@ def launch(script, *args, launcher=None):
     if launcher and script.name.startswith("run_"):
         command += ["--ddp_backend", "gloo"]
     completed = subprocess.run(command, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    # Exit status 0 from every process, the last of them after its interpreter has shut down.
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
     return completed.stdout
 
@@ -100,3 +104,36 @@ def test_run_image_classification_two_process_ddp_matches_one_process(launcher, 
         launch(ROOT / "run_image_classification.py", *common, "--per_device_train_batch_size", 12 // processes,
                "--output_dir", tmp_path / f"out{processes}", launcher=how)
     assert_same_training(tmp_path / "out1", tmp_path / "out2")
+
+
+def tiny_text_job(folder):
+    """Arguments of a run_clm.py job on a few lines of text, without --use_cpu."""
+    (folder / "train.txt").write_text("the cat sat on the mat\nthe dog ran under the tree\n" * 20)
+    return ["--model_type", "plat", "--config_overrides",
+            "hidden_size=32,num_hidden_layers=2,num_attention_heads=4,max_position_embeddings=16",
+            "--train_file", folder / "train.txt", "--tokenizer_type", "word", "--do_train", "--max_steps", 2,
+            "--report_to", "none", "--output_dir", folder / "out"]
+
+
+def assert_refused(command, folder, message):
+    completed = subprocess.run([*command, *map(str, tiny_text_job(folder))], cwd=ROOT, env=ENV, capture_output=True,
+                               text=True, timeout=300)
+    assert completed.returncode != 0
+    assert message in completed.stderr, completed.stderr[-3000:]
+    assert not (folder / "out").exists()  # refused before anything was trained or written
+
+
+@without_gpu
+def test_two_processes_without_use_cpu_refuse_before_training(tmp_path):
+    """cpu-2-processes.yaml without --use_cpu would start two unsynchronised trainings that both think they are
+    rank 0."""
+    assert_refused([*two_processes("accelerate"), str(ROOT / "run_clm.py")], tmp_path, "pass --use_cpu")
+
+
+@without_gpu
+def test_multi_gpu_config_refuses_on_a_machine_without_a_gpu(tmp_path):
+    # Two processes instead of the config's eight keep the test quick; the refusal does not depend on the count.
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+               str(ACCELERATE_CONFIGS / "multi-gpu.yaml"), "--num_processes", "2", "--main_process_port",
+               str(free_port()), str(ROOT / "run_clm.py")]
+    assert_refused(command, tmp_path, "this machine has no GPU")
