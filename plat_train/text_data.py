@@ -15,7 +15,7 @@ import datasets
 import numpy as np
 import pyarrow.compute as pc
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from .runs import explain_offline_errors
@@ -26,6 +26,7 @@ SPLITS = ("train", "validation", "test")
 FILE_LOADERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".csv": "csv"}
 UNK_TOKEN = "<unk>"
 EOS_TOKEN = "<eos>"
+PAD_TOKEN = "<pad>"
 DEFAULT_BPE_VOCAB_SIZE = 8192
 # How much of the training text to look at when guessing whether it is pre-tokenised (PTB / WikiText style).
 TOKENIZER_SNIFF_LINES = 10_000
@@ -154,18 +155,22 @@ def train_tokenizer(texts, tokenizer_type="auto", vocab_size=None, model_max_len
     """A tokenizer trained on ``texts`` (an iterable of strings, usually the training split).
 
     ``word``: the vocabulary is every whitespace-separated word of the training text (the ``vocab_size``
-    most frequent ones if given) plus ``<unk>`` and ``<eos>``; ``bpe``: byte-level BPE with ``vocab_size``
-    entries (default 8192) and the same special tokens; ``auto``: ``word`` for pre-tokenised text with
-    ``<unk>`` markers, ``bpe`` otherwise.
+    most frequent ones if given) plus ``<unk>``, ``<eos>`` and ``<pad>``; ``bpe``: byte-level BPE with
+    ``vocab_size`` entries (default 8192) and the same special tokens; ``auto``: ``word`` for pre-tokenised text
+    with ``<unk>`` markers, ``bpe`` otherwise. ``<eos>`` also begins a generation without a prompt (BOS), as every
+    text follows the end of another; ``<pad>`` pads batches (pipelines, data collators).
     """
     texts, sniffed = itertools.tee(texts)
     if tokenizer_type == "auto":
         tokenizer_type = "word" if looks_pretokenised(itertools.islice(sniffed, TOKENIZER_SNIFF_LINES)) else "bpe"
         logger.info(f"Training a {tokenizer_type}-level tokenizer on the training split (--tokenizer_type auto)")
-    special_tokens = [UNK_TOKEN, EOS_TOKEN]
+    special_tokens = [UNK_TOKEN, EOS_TOKEN, PAD_TOKEN]
     if tokenizer_type == "word":
         backend = Tokenizer(models.WordLevel(word_vocabulary(texts, special_tokens, vocab_size), unk_token=UNK_TOKEN))
         backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+        # Every token decodes with the space before it, as byte-level BPE tokens carry theirs: tokens decoded apart
+        # from their prompt (pipeline("text-generation") does) stay apart from it. A whole text starts with one.
+        backend.decoder = decoders.Replace(Regex("^"), " ")
     elif tokenizer_type == "bpe":
         backend = Tokenizer(models.BPE())
         backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -178,7 +183,8 @@ def train_tokenizer(texts, tokenizer_type="auto", vocab_size=None, model_max_len
         backend.train_from_iterator(texts, trainer=trainer)
     else:
         raise ValueError(f"tokenizer_type must be 'auto', 'word' or 'bpe'; got {tokenizer_type!r}")
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token=UNK_TOKEN, eos_token=EOS_TOKEN)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token=UNK_TOKEN, eos_token=EOS_TOKEN,
+                                        bos_token=EOS_TOKEN, pad_token=PAD_TOKEN)
     if model_max_length is not None:
         tokenizer.model_max_length = model_max_length
     logger.info(f"Trained a {tokenizer_type} tokenizer with {len(tokenizer)} tokens")

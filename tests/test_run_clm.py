@@ -17,7 +17,14 @@ import torch
 import yaml
 from tiny import lm, tensorboard_scalars, two_processes
 from torch.nn import functional as F
-from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel, pipeline
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    DataCollatorForLanguageModeling,
+    GPT2Config,
+    GPT2LMHeadModel,
+    pipeline,
+)
 
 import modeling_plat  # noqa: F401
 from plat_train import causal_lm as run_clm
@@ -80,11 +87,11 @@ def test_text_files_train_eval_save_and_reload(text_files, tmp_path):
         # Windows of the block size, moved by the block size, score exactly what evaluation on blocks scores.
         assert metrics[f"{prefix}_sliding_perplexity"] == pytest.approx(metrics[f"{prefix}_perplexity"], rel=1e-4)
         assert metrics[f"{prefix}_sliding_tokens"] == 8 * (BLOCK - 1)
-        assert metrics[f"{prefix}_unigram_perplexity"] < len(WORDS) + 2
+        assert metrics[f"{prefix}_unigram_perplexity"] < len(WORDS) + 3
     assert metrics["train_loss"] > 0
 
     model = AutoModelForCausalLM.from_pretrained(output_dir)
-    assert model.config.vocab_size == len(WORDS) + 2  # every training word, <unk> and <eos>
+    assert model.config.vocab_size == len(WORDS) + 3  # every training word, <unk>, <eos> and <pad>
     generator = pipeline("text-generation", model=str(output_dir))
     text = generator("the cat", max_new_tokens=5, do_sample=False)[0]["generated_text"]
     assert text.startswith("the cat")
@@ -375,6 +382,36 @@ def test_word_tokenizer_keeps_ids_contiguous_with_a_literal_unk():
     assert tokenizer("<unk> zzz")["input_ids"] == [tokenizer.unk_token_id] * 2
 
 
+def test_saved_word_tokenizer_generates_readable_text_pads_and_starts_without_a_prompt(text_files, tmp_path):
+    output_dir = tmp_path / "out"
+    run_clm.main([*TINY_MODEL, "--train_file", str(text_files["train"]), *FAST, "--tokenizer_type", "word",
+                  "--do_train", "--max_steps", "2", "--output_dir", str(output_dir)])
+    generator = pipeline("text-generation", model=str(output_dir))
+
+    # The README's example: the continuation is decoded apart from the prompt and must keep its spaces.
+    text = generator("the cat sat", max_new_tokens=6, do_sample=False)[0]["generated_text"]
+    assert text.startswith("the cat sat ") and set(text.split()) <= set(WORDS), text
+    assert "  " not in text
+
+    # Batched generation pads with the tokenizer's pad token, the one the config names.
+    tokenizer, config = generator.tokenizer, generator.model.config
+    assert tokenizer.pad_token_id == config.pad_token_id != tokenizer.eos_token_id
+    assert (tokenizer.bos_token_id, tokenizer.eos_token_id) == (config.bos_token_id, config.eos_token_id)
+    prompts = ["the cat", "a big red dog ran under"]
+    batched = generator(prompts, max_new_tokens=4, do_sample=False, batch_size=2)
+    alone = [generator(prompt, max_new_tokens=4, do_sample=False) for prompt in prompts]
+    assert batched == alone
+
+    collator = DataCollatorForLanguageModeling(tokenizer, mlm=False)
+    batch = collator([tokenizer(prompt) for prompt in prompts])
+    assert batch["input_ids"].shape == batch["labels"].shape == (2, 6)
+    assert (batch["labels"] == -100).sum() == 4  # the padding of the shorter prompt only
+
+    # Without a prompt, generation starts from the BOS token.
+    generated = generator.model.generate(max_new_tokens=3, do_sample=False)
+    assert generated.shape == (1, 4) and generated[0, 0] == tokenizer.bos_token_id
+
+
 @pytest.mark.parametrize("launcher", ["torchrun", "accelerate"])
 def test_two_process_ddp_on_cpu_saves_a_checkpoint_that_reloads(launcher, text_files, tmp_path):
     output_dir = tmp_path / "out"
@@ -390,7 +427,7 @@ def test_two_process_ddp_on_cpu_saves_a_checkpoint_that_reloads(launcher, text_f
     assert trainer_step(output_dir / "checkpoint-3") == 3
     assert math.isfinite(metrics["eval_sliding_perplexity"]) and metrics["eval_sliding_tokens"] > 0
     model = AutoModelForCausalLM.from_pretrained(output_dir / "checkpoint-3")
-    assert model.config.vocab_size == len(WORDS) + 2
+    assert model.config.vocab_size == len(WORDS) + 3
 
 
 @pytest.mark.slow  # compiling takes about a minute on 2 CPU cores
