@@ -154,6 +154,39 @@ class PlatPreTrainedModel(PreTrainedModel):
         self.config.auto_map = {**(getattr(self.config, "auto_map", None) or {}), **self._family_auto_map}
         return super().save_pretrained(save_directory, *args, **kwargs)
 
+    @staticmethod
+    def _refuse_attn_implementation(requested):
+        if requested not in (None, "eager"):
+            raise ValueError(
+                f"attn_implementation={requested!r}: p-LaT models have one attention, the p-Laplacian one, and the "
+                "config's plap_backend (saved with the model) chooses how to compute it, e.g. "
+                "from_pretrained(..., plap_backend='tiled'); attn_implementation can only be 'eager'."
+            )
+
+    def _check_and_adjust_attn_implementation(self, attn_implementation, *args, **kwargs):
+        # transformers' hook for attn_implementation in from_pretrained / from_config / __init__.
+        self._refuse_attn_implementation(attn_implementation)
+        return super()._check_and_adjust_attn_implementation(attn_implementation, *args, **kwargs)
+
+    def set_attn_implementation(self, attn_implementation, *args, **kwargs):
+        # transformers would only log that this model cannot switch, and return.
+        requested = attn_implementation.get("") if isinstance(attn_implementation, dict) else attn_implementation
+        self._refuse_attn_implementation(requested)
+        return super().set_attn_implementation(attn_implementation, *args, **kwargs)
+
+    def _validate_generated_length(self, generation_config, input_ids_length, *args, **kwargs):
+        """Refuse before generating what learned positions cannot reach, rather than fail at that token and lose
+        the ones generated before it."""
+        super()._validate_generated_length(generation_config, input_ids_length, *args, **kwargs)
+        limit = self.config.max_position_embeddings
+        learned = getattr(self.config, "position_embedding_type", "learned") == "learned"
+        if learned and generation_config.max_length > limit:
+            raise ValueError(
+                f"Generating up to {generation_config.max_length} tokens ({input_ids_length} in the prompt), but this "
+                f"model has learned positions for {limit} (max_position_embeddings): ask for at most "
+                f"{max(limit - input_ids_length, 0)} new tokens (max_new_tokens) or shorten the prompt."
+            )
+
     @torch.no_grad()
     def _init_weights(self, module):
         """GPT-2 / ViT init: N(0, initializer_range), residual projections scaled by 1 / sqrt(2 * layers)."""
