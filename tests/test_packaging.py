@@ -145,27 +145,28 @@ def test_wheel_holds_the_presets_and_a_light_core(wheel):
 
 
 def test_wheel_runs_presets_by_name_outside_the_repository(wheel, tmp_path):
-    venv = tmp_path / "venv"
-    # The interpreter's packages (torch, transformers, ...) are visible; plat itself comes from the wheel only.
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], check=True)
-    python = venv / "bin" / "python"
-    install = subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps",
-                              "--no-index", str(wheel)], capture_output=True, text=True, timeout=600)
+    # The wheel alone, installed into a folder that goes first on the running interpreter's path: its dependencies
+    # (torch, transformers, ...) come from wherever this Python finds them, a virtual environment or a system-wide
+    # install alike, and plat itself only from the wheel, not from the repository or an editable install.
+    installed = tmp_path / "installed"
+    install = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--target",
+                              str(installed), str(wheel)], capture_output=True, text=True, timeout=600)
     assert install.returncode == 0, install.stderr[-3000:]
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    env = {"PATH": f"{venv / 'bin'}:/usr/bin:/bin", "HF_HUB_OFFLINE": "1", "HOME": str(tmp_path)}
+    env = {"PATH": f"{installed / 'bin'}:/usr/bin:/bin", "PYTHONPATH": str(installed), "HF_HUB_OFFLINE": "1",
+           "HOME": str(tmp_path)}
 
-    where = subprocess.run([str(python), "-c", "import modeling_plat, plat_train.presets as p; "
+    where = subprocess.run([sys.executable, "-c", "import modeling_plat, plat_train.presets as p; "
                             "print(modeling_plat.__file__); print(p.PRESET_DIR)"],
                            cwd=elsewhere, env=env, capture_output=True, text=True, timeout=300)
     assert where.returncode == 0, where.stderr[-3000:]
-    assert all(line.startswith(str(venv)) for line in where.stdout.split()), where.stdout
+    assert all(line.startswith(str(installed)) for line in where.stdout.split()), where.stdout
 
     # The main job's recipe by name, shortened by flags given after it.
     output = elsewhere / "run"
     result = subprocess.run(
-        [str(venv / "bin" / "plat-run-clm"), "plat-ptb-tiny.yaml", "--max_steps", "2", "--max_train_samples", "8",
+        [str(installed / "bin" / "plat-run-clm"), "plat-ptb-tiny.yaml", "--max_steps", "2", "--max_train_samples", "8",
          "--max_eval_samples", "2", "--per_device_train_batch_size", "4", "--per_device_eval_batch_size", "2",
          "--eval_stride", "128", "--save_strategy", "no", "--output_dir", str(output), "--disable_tqdm", "true"],
         cwd=elsewhere, env=env, capture_output=True, text=True, timeout=900,
@@ -177,7 +178,7 @@ def test_wheel_runs_presets_by_name_outside_the_repository(wheel, tmp_path):
 
     # A model preset by name through the other console script.
     result = subprocess.run(
-        [str(venv / "bin" / "plat-run-image-classification"), "--config_name", "softmax-fmnist-tiny", "--do_train",
+        [str(installed / "bin" / "plat-run-image-classification"), "--config_name", "softmax-fmnist-tiny", "--do_train",
          "--max_steps", "2", "--max_train_samples", "16", "--per_device_train_batch_size", "8",
          "--output_dir", str(elsewhere / "image"), "--save_strategy", "no", "--report_to", "none"],
         cwd=elsewhere, env=env, capture_output=True, text=True, timeout=900,
