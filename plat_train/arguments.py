@@ -96,7 +96,7 @@ def parse_args(parser, args=None):
     args = sys.argv[1:] if args is None else list(args)
     if args and args[0].endswith(ARGUMENT_FILES):
         path = args[0] if Path(args[0]).exists() or args[0].endswith(".json") else resolve_preset(
-            args[0].removesuffix(".yml"), ".yaml", "The arguments file")
+            args[0].removesuffix(".yml"), "training recipe", "The arguments file")
         if not Path(path).is_file():
             raise FileNotFoundError(f"Arguments file not found: {path}")
         args = file_flags(Path(path).resolve()) + args[1:]

@@ -1,47 +1,56 @@
-"""Presets shipped with the package: model configs, training recipes and Accelerate configs, found by name.
+"""Configurations a user picks by name: model configs, training recipes and Accelerate configs.
 
-Names follow ``<variant>-<size>``: ``plat-ptb-tiny`` is the p-LaT model, ``softmax-ptb-tiny`` its twin with
-p = 2 (softmax attention) and nothing else changed. In ``presets/``:
+They live in the repository's top-level ``configuration/`` (its README says what each is for and costs) and ship
+inside this package as ``plat_train/configuration/``, so that names resolve from any directory:
 
-- ``<name>.json``: a model config (``--config_name plat-ptb-tiny``);
-- ``<name>.yaml``: a training recipe, the scripts' arguments in one file (``run_clm.py plat-ptb-tiny.yaml``);
+- ``models/<name>.json``: a model config (``--config_name plat-ptb-tiny``);
+- ``recipes/<name>.yaml``: a training recipe, the scripts' arguments in one file (``run_clm.py plat-ptb-tiny.yaml``);
 - ``accelerate/<name>.yaml``: an ``accelerate launch --config_file`` (``python -m plat_train.presets
   accelerate/multi-gpu`` prints its path).
 
-``python -m plat_train.presets`` lists them all with their sizes.
+Names follow ``<variant>-<size>``: ``plat-ptb-tiny`` is the p-LaT model, ``softmax-ptb-tiny`` its twin with
+p = 2 (softmax attention). ``python -m plat_train.presets`` lists them all with their sizes.
 """
 
 import argparse
 import json
 from pathlib import Path
 
-PRESET_DIR = Path(__file__).resolve().parent / "presets"
-KINDS = {".json": "model config", ".yaml": "training recipe"}
+# Installed from a wheel, the folder sits inside the package; in a checkout (and an editable install) it is the
+# repository's own.
+_PACKAGED = Path(__file__).resolve().parent / "configuration"
+CONFIGURATION_DIR = _PACKAGED if _PACKAGED.is_dir() else Path(__file__).resolve().parents[1] / "configuration"
+# What each kind of name means: its folder and file suffix.
+KINDS = {"model config": ("models", ".json"), "training recipe": ("recipes", ".yaml"),
+         "accelerate config": ("accelerate", ".yaml")}
 
 
-def preset_path(name, suffix):
-    """The shipped preset ``name`` (with or without ``suffix``), or None when there is none."""
-    path = PRESET_DIR / f"{name.removesuffix(suffix)}{suffix}"
+def preset_path(name, kind):
+    """The shipped configuration ``name`` (with or without its suffix) of ``kind``, or None when there is none."""
+    folder, suffix = KINDS[kind]
+    path = CONFIGURATION_DIR / folder / f"{name.removesuffix(suffix)}{suffix}"
     return path if path.is_file() else None
 
 
-def preset_names(suffix, folder=""):
-    return sorted(str(p.relative_to(PRESET_DIR).with_suffix("")) for p in (PRESET_DIR / folder).glob(f"*{suffix}"))
+def preset_names(kind):
+    folder, suffix = KINDS[kind]
+    return sorted(path.stem for path in (CONFIGURATION_DIR / folder).glob(f"*{suffix}"))
 
 
-def resolve_preset(name, suffix, flag):
-    """A path that exists as given, else the shipped preset of that name; an error listing presets otherwise."""
+def resolve_preset(name, kind, flag):
+    """A path that exists as given, else the shipped configuration of that name; an error listing them otherwise."""
     if name is None or Path(name).exists():
         return name
-    path = preset_path(name, suffix)
+    path = preset_path(name, kind)
     if path is not None:
         return str(path)
-    raise ValueError(f"{flag} {name!r} is neither a path nor a preset; presets: {', '.join(preset_names(suffix))}")
+    raise ValueError(f"{flag} {name!r} is neither a path nor a shipped {kind}; those are: "
+                     f"{', '.join(preset_names(kind))}")
 
 
 def resolve_config_name(name):
     """``--config_name``: a model preset's short name (``plat-ptb-tiny``) or any path ``from_pretrained`` reads."""
-    return resolve_preset(name, ".json", "--config_name")
+    return resolve_preset(name, "model config", "--config_name")
 
 
 def describe(path):
@@ -63,20 +72,23 @@ def describe(path):
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m plat_train.presets", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("name", nargs="?", help="print this preset's path (e.g. accelerate/multi-gpu)")
+    parser.add_argument("name", nargs="?", help="print this configuration's path (e.g. plat-ptb-tiny.yaml, "
+                                                "accelerate/multi-gpu)")
     args = parser.parse_args(argv)
     if args.name is not None:
-        for suffix in (".json", ".yaml"):
-            path = preset_path(args.name, suffix)
+        folder, _, name = args.name.rpartition("/")
+        for kind, (kind_folder, _) in KINDS.items():
+            path = preset_path(name, kind) if folder in ("", kind_folder) else None
             if path is not None:
                 print(path)
                 return
-        parser.error(f"no preset named {args.name!r}")
-    for name in preset_names(".json"):
-        print(f"{name:28s} model config     {describe(PRESET_DIR / f'{name}.json')}")
-    for name in preset_names(".yaml") + preset_names(".yaml", "accelerate"):
-        kind = "accelerate config" if name.startswith("accelerate") else "training recipe"
-        print(f"{name:28s} {kind}")
+        parser.error(f"no configuration named {args.name!r}")
+    for name in preset_names("model config"):
+        print(f"{name:28s} model config       {describe(CONFIGURATION_DIR / 'models' / f'{name}.json')}")
+    for kind in ("training recipe", "accelerate config"):
+        for name in preset_names(kind):
+            shown = f"accelerate/{name}" if kind == "accelerate config" else f"{name}.yaml"
+            print(f"{shown:28s} {kind}")
 
 
 if __name__ == "__main__":

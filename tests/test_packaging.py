@@ -118,8 +118,8 @@ def wheel(tmp_path_factory):
     source, dist = tmp_path_factory.mktemp("source"), tmp_path_factory.mktemp("dist")
     for name in ("setup.cfg", "pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, source / name)
-    for package in ("modeling_plat", "plat_train"):
-        shutil.copytree(ROOT / package, source / package, ignore=shutil.ignore_patterns("__pycache__"))
+    for folder in ("modeling_plat", "plat_train", "configuration"):
+        shutil.copytree(ROOT / folder, source / folder, ignore=shutil.ignore_patterns("__pycache__"))
     result = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
                              "-w", str(dist), str(source)], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -127,15 +127,19 @@ def wheel(tmp_path_factory):
     return path
 
 
-def test_wheel_holds_the_presets_and_a_light_core(wheel):
+def test_wheel_holds_every_configuration_and_a_light_core(wheel):
     with zipfile.ZipFile(wheel) as archive:
         names = set(archive.namelist())
         metadata_name = next(n for n in names if n.endswith(".dist-info/METADATA"))
         metadata = Parser().parsestr(archive.read(metadata_name).decode())
         entry_points = archive.read(metadata_name.replace("METADATA", "entry_points.txt")).decode()
-    assert {"plat_train/presets/plat-ptb-tiny.json", "plat_train/presets/softmax-ptb-tiny.json",
-            "plat_train/presets/plat-ptb-tiny.yaml", "plat_train/presets/accelerate/multi-gpu.yaml",
-            "modeling_plat/image_processing_plat.py"} <= names
+    shipped = {f"plat_train/configuration/{path.relative_to(ROOT / 'configuration')}"
+               for path in (ROOT / "configuration").rglob("*") if path.is_file()}
+    assert shipped >= {"plat_train/configuration/models/plat-ptb-tiny.json",
+                       "plat_train/configuration/recipes/plat-ptb-tiny.yaml",
+                       "plat_train/configuration/accelerate/fsdp.yaml", "plat_train/configuration/README.md"}
+    assert shipped | {"modeling_plat/image_processing_plat.py"} <= names
+    assert not any(name.startswith("configuration/") for name in names)  # no top-level name of its own
     assert metadata["Name"] == "plat-transformers"
     core = {req.split(">")[0].split("=")[0].split("<")[0].strip().lower()
             for req in metadata.get_all("Requires-Dist") if "extra ==" not in req}
@@ -158,7 +162,7 @@ def test_wheel_runs_presets_by_name_outside_the_repository(wheel, tmp_path):
            "HOME": str(tmp_path)}
 
     where = subprocess.run([sys.executable, "-c", "import modeling_plat, plat_train.presets as p; "
-                            "print(modeling_plat.__file__); print(p.PRESET_DIR)"],
+                            "print(modeling_plat.__file__); print(p.CONFIGURATION_DIR)"],
                            cwd=elsewhere, env=env, capture_output=True, text=True, timeout=300)
     assert where.returncode == 0, where.stderr[-3000:]
     assert all(line.startswith(str(installed)) for line in where.stdout.split()), where.stdout

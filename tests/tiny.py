@@ -11,7 +11,7 @@ import torch
 from modeling_plat import PlatConfig, PlatForCausalLM, PlatForImageClassification, PlatVisionConfig
 
 ROOT = Path(__file__).resolve().parents[1]
-ACCELERATE_CONFIGS = ROOT / "plat_train/presets/accelerate"
+ACCELERATE_CONFIGS = ROOT / "configuration/accelerate"
 
 
 def text_config(**kwargs):
