@@ -12,8 +12,8 @@ import datasets
 import huggingface_hub
 import torch
 import transformers
-from transformers.utils import strtobool
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+from transformers.utils import strtobool
 
 logger = logging.getLogger(__name__)
 

@@ -17,6 +17,9 @@ import torch
 from PIL import Image
 from tiny import ACCELERATE_CONFIGS, free_port, two_processes
 
+from plat_train.arguments import PlatTrainingArguments
+from plat_train.runs import check_launch
+
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT / "tests")}
@@ -137,3 +140,13 @@ def test_multi_gpu_config_refuses_on_a_machine_without_a_gpu(tmp_path):
                str(ACCELERATE_CONFIGS / "multi-gpu.yaml"), "--num_processes", "2", "--main_process_port",
                str(free_port()), str(ROOT / "run_clm.py")]
     assert_refused(command, tmp_path, "this machine has no GPU")
+
+
+def test_more_processes_than_gpus_on_a_machine_are_refused(monkeypatch, tmp_path):
+    """As torchrun --nproc_per_node 4 would set it up on a machine with 2 GPUs."""
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
+    monkeypatch.setattr(torch.accelerator, "device_count", lambda: 2)
+    with pytest.raises(ValueError, match="4 processes were launched on this machine but it has 2 GPU"):
+        check_launch(PlatTrainingArguments(output_dir=str(tmp_path)))
