@@ -12,6 +12,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from plat_train.presets import resolve_config_name
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -95,7 +97,7 @@ def paper_p_mix(num_heads):
 
 def preset_heads(task):
     """The head count of a task's preset, read from the preset file."""
-    return json.loads((REPO / "plat_train" / "presets" / f"{task.preset}.json").read_text())["num_attention_heads"]
+    return json.loads(Path(resolve_config_name(task.preset)).read_text())["num_attention_heads"]
 
 
 def variant_overrides(variant_name, num_heads):
