@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from modeling_plat import plap_attention
 from modeling_plat import plap_attention_triton as triton_module
-from modeling_plat.plap_attention import EAGER_MAX_SCORES_PER_THREAD_CPU, resolve_backend
+from modeling_plat.plap_attention import EAGER_MAX_SCORES_PER_THREAD_CPU, choose_backend
 from modeling_plat.plap_attention_tiled import plap_attention_tiled
 from reference import reference_plap_attention
 
@@ -74,13 +74,21 @@ def check(run, inputs, p, dtype, **kwargs):
         assert relative_error(ours, theirs) <= tol, (name, relative_error(ours, theirs))
 
 
-def tiled_small_blocks(*args, **kwargs):
+def tiled_small_blocks(query, key, value, p, **kwargs):
     """Blocks much smaller than the sequences: several online-softmax steps and partial tiles."""
-    return plap_attention_tiled(*args, **kwargs, blocks=(1, 16, 24))
+    return plap_attention_tiled(query, key, value, p=tuple(p.tolist()), **kwargs, blocks=(1, 16, 24))
 
 
-def triton_small_blocks(*args, **kwargs):
-    return triton_module.plap_attention_triton(*args, **kwargs, blocks=(16, 16))
+def chosen(backend, query, key=None, value=None, p=None, **kwargs):
+    """The name of the backend the dispatcher picks for these heads."""
+    key = query if key is None else key
+    value = key if value is None else value
+    p = (1.5,) * query.shape[1] if p is None else p
+    return choose_backend(backend, query, key, value, p=p, **kwargs).name
+
+
+def triton_small_blocks(query, key, value, p, **kwargs):
+    return triton_module.plap_attention_triton(query, key, value, p=tuple(p.tolist()), **kwargs, blocks=(16, 16))
 
 
 # (B, H, Nq, Nk, d, dv): square and awkward; Nq < Nk (a KV cache, bottom-right aligned); one query.
@@ -204,7 +212,7 @@ def test_p_requiring_grad():
     p.requires_grad_()
     with pytest.raises(ValueError, match="no gradient for p"):
         plap_attention(*inputs, p, backend="tiled")
-    assert resolve_backend("auto", inputs[0], inputs[1], None, p) == "eager"
+    assert chosen("auto", *inputs, p=p, p_trains=True) == "eager"
     plap_attention(*inputs, p).sum().backward()  # auto: eager, which differentiates p
     assert p.grad is not None and torch.isfinite(p.grad).all()
 
@@ -215,10 +223,10 @@ def test_auto_backend_choice():
     query = torch.zeros(1, 1, 1, 4, device=DEVICE)
     keys_at_limit, keys_above = (torch.zeros(1, 1, 1, 4, device=DEVICE).expand(1, 1, n, 4) for n in (limit, limit + 1))
     if DEVICE == "cpu":
-        assert resolve_backend("auto", query, keys_at_limit) == "eager"
-        assert resolve_backend("auto", query, keys_above) == "tiled"
+        assert chosen("auto", query, keys_at_limit) == "eager"
+        assert chosen("auto", query, keys_above) == "tiled"
     with pytest.raises(ValueError, match="backend must be one of"):
-        resolve_backend("flash", query)
+        chosen("flash", query)
 
 
 def test_triton_unavailable_is_an_error(monkeypatch):
@@ -226,10 +234,10 @@ def test_triton_unavailable_is_an_error(monkeypatch):
     monkeypatch.setattr(triton_module, "INTERPRETED", False)
     if not TRITON_MISSING:
         with pytest.raises(ValueError, match="need CUDA tensors"):
-            resolve_backend("triton", query)
+            chosen("triton", query)
     monkeypatch.setattr(triton_module, "triton", None)
     with pytest.raises(ValueError, match="triton is not installed"):
-        resolve_backend("triton", query)
+        chosen("triton", query)
 
 
 @needs_triton
@@ -237,8 +245,8 @@ def test_triton_rejects_general_masks():
     query = torch.zeros(2, 3, 4, 4, device=DEVICE)
     full_mask = torch.ones(2, 3, 4, 4, dtype=torch.bool, device=DEVICE)
     with pytest.raises(ValueError, match="key-padding"):
-        resolve_backend("triton", query, attn_mask=full_mask)
-    assert resolve_backend("triton", query, attn_mask=full_mask[:, :1, :1]) == "triton"
+        chosen("triton", query, attn_mask=full_mask)
+    assert chosen("triton", query, attn_mask=full_mask[:, :1, :1]) == "triton"
 
 
 TRITON_SHAPES = [(2, 3, 33, 33, 16, 16), (2, 2, 17, 33, 16, 24)]
