@@ -15,6 +15,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from . import plap_attention_tiled, plap_attention_triton
 from .plap_attention_reference import FORMULATIONS, allowed_positions, plap_attention_eager
 
 # On CPU the eager backend beats the tiled one up to this many scores (B * H * Nq * Nk of the heads with p != 2)
@@ -24,20 +25,12 @@ EAGER_MAX_SCORES_PER_THREAD_CPU = 65536
 
 
 class Backend:
-    """A backend's entry point and what it can run; ``run(q, k, v, *, p, attn_mask, is_causal, document_ids, eps,
-    formulation)`` returns the (B, H, Nq, dv) output. ``module`` is imported on first use (Triton is optional)."""
+    """A backend's entry point and what it can run: ``run(q, k, v, *, p, attn_mask, is_causal, document_ids, eps,
+    formulation)`` returns the (B, H, Nq, dv) output; ``limits``, when given, states the input limits of its own."""
 
-    def __init__(self, name, module, function, formulations, differentiates_p=False, limits=None):
-        self.name, self.module, self.function = name, module, function
-        self.formulations, self.differentiates_p, self.limits = formulations, differentiates_p, limits
-
-    def _attr(self, name):
-        import importlib
-
-        return getattr(importlib.import_module(self.module, __package__), name)
-
-    def run(self, query, key, value, **kwargs):
-        return self._attr(self.function)(query, key, value, **kwargs)
+    def __init__(self, name, run, formulations, differentiates_p=False, limits=None):
+        self.name, self.run, self.formulations = name, run, formulations
+        self.differentiates_p, self.limits = differentiates_p, limits
 
     def unsupported_reason(self, query, key, value, *, p, p_trains, attn_mask, document_ids, formulation):
         """Why this backend cannot run the input, or None."""
@@ -46,9 +39,8 @@ class Backend:
         if formulation not in self.formulations:
             return f"backend {self.name!r} does not implement formulation {formulation!r}; use 'eager'"
         if self.limits is not None:
-            limits = self._attr(self.limits)
-            return limits(query, key, value, p=p, attn_mask=attn_mask, document_ids=document_ids,
-                          formulation=formulation)
+            return self.limits(query, key, value, p=p, attn_mask=attn_mask, document_ids=document_ids,
+                               formulation=formulation)
         return None
 
 
@@ -57,12 +49,19 @@ def _eager(query, key, value, **kwargs):
 
 
 REGISTRY = {
-    "eager": Backend("eager", __name__, "_eager", tuple(FORMULATIONS), differentiates_p=True),
-    "tiled": Backend("tiled", ".plap_attention_tiled", "plap_attention_tiled", ("paper", "euler")),
-    "triton": Backend("triton", ".plap_attention_triton", "plap_attention_triton", ("paper", "euler"),
-                      limits="triton_unsupported_reason"),
+    "eager": Backend("eager", _eager, tuple(FORMULATIONS), differentiates_p=True),
+    "tiled": Backend("tiled", plap_attention_tiled.plap_attention_tiled, ("paper", "euler")),
+    # Module attributes looked up per call, so that tests can stand in for a missing Triton.
+    "triton": Backend("triton", lambda *args, **kwargs: plap_attention_triton.plap_attention_triton(*args, **kwargs),
+                      ("paper", "euler"),
+                      limits=lambda *args, **kwargs: plap_attention_triton.triton_unsupported_reason(*args, **kwargs)),
 }
 BACKENDS = ("auto", *REGISTRY)
+
+
+@torch.compiler.assume_constant_result
+def _intra_op_threads():
+    return torch.get_num_threads()
 
 
 def preference(query, key):
@@ -76,7 +75,7 @@ def preference(query, key):
     if query.device.type == "cuda":
         return ("triton", "tiled", "eager")
     scores = query.shape[:-1].numel() * key.shape[-2]
-    if query.device.type == "cpu" and scores <= EAGER_MAX_SCORES_PER_THREAD_CPU * torch.get_num_threads():
+    if query.device.type == "cpu" and scores <= EAGER_MAX_SCORES_PER_THREAD_CPU * _intra_op_threads():
         return ("eager", "tiled")
     return ("tiled", "eager")
 
