@@ -2,6 +2,7 @@
 
 Backends, each computing ``plap_attention_reference`` (tests compare every one with a float64 reference):
     eager   the reference itself: (B, H, Nq, Nk) memory, any input, the only one that differentiates p.
+    decode  plap_attention_decode.py: a few new queries against a KV cache, in a handful of kernels.
     tiled   plap_attention_tiled.py: PyTorch tiles with an online softmax, O(N) extra memory.
     triton  plap_attention_triton.py: fused kernels for CUDA (or CPU under TRITON_INTERPRET=1).
 Each backend states why it cannot run an input (``unsupported_reason``); "auto" takes the first backend of a
@@ -15,7 +16,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from . import plap_attention_tiled, plap_attention_triton
+from . import plap_attention_decode, plap_attention_tiled, plap_attention_triton
 from .plap_attention_reference import FORMULATIONS, allowed_positions, plap_attention_eager
 
 # On CPU the eager backend beats the tiled one up to this many scores (B * H * Nq * Nk of the heads with p != 2)
@@ -50,6 +51,8 @@ def _eager(query, key, value, **kwargs):
 
 REGISTRY = {
     "eager": Backend("eager", _eager, tuple(FORMULATIONS), differentiates_p=True),
+    "decode": Backend("decode", plap_attention_decode.plap_attention_decode, ("paper", "euler"),
+                      limits=plap_attention_decode.decode_unsupported_reason),
     "tiled": Backend("tiled", plap_attention_tiled.plap_attention_tiled, ("paper", "euler")),
     # Module attributes looked up per call, so that tests can stand in for a missing Triton.
     "triton": Backend("triton", lambda *args, **kwargs: plap_attention_triton.plap_attention_triton(*args, **kwargs),
@@ -67,11 +70,14 @@ def _intra_op_threads():
 def preference(query, key):
     """Backends "auto" tries, fastest first (measured: `python benchmarks/bench_attention.py`).
 
-    CUDA: the fused kernels. CPU: eager for small inputs, tiled (O(N) memory) above. While ``torch.export``
-    traces, the eager reference: plain tensor operations with no size-dependent Python loop.
+    A few queries (decoding with a KV cache): the decode path. CUDA: the fused kernels. CPU: eager for small
+    inputs, tiled (O(N) memory) above. While ``torch.export`` traces, the eager reference: plain tensor
+    operations with no size-dependent Python loop.
     """
     if torch.compiler.is_exporting():
         return ("eager",)
+    if query.shape[-2] <= plap_attention_decode.DECODE_MAX_QUERIES:
+        return ("decode", "eager")
     if query.device.type == "cuda":
         return ("triton", "tiled", "eager")
     scores = query.shape[:-1].numel() * key.shape[-2]

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from modeling_plat import plap_attention
 from modeling_plat import plap_attention_triton as triton_module
 from modeling_plat.plap_attention import EAGER_MAX_SCORES_PER_THREAD_CPU, choose_backend
+from modeling_plat.plap_attention_decode import DECODE_MAX_QUERIES
 from modeling_plat.plap_attention_tiled import plap_attention_tiled
 from reference import reference_plap_attention
 
@@ -91,10 +92,11 @@ def triton_small_blocks(query, key, value, p, **kwargs):
     return triton_module.plap_attention_triton(query, key, value, p=tuple(p.tolist()), **kwargs, blocks=(16, 16))
 
 
-# (B, H, Nq, Nk, d, dv): square and awkward; Nq < Nk (a KV cache, bottom-right aligned); one query.
-SHAPES = [(2, 5, 63, 63, 60, 60), (2, 3, 21, 50, 16, 24), (3, 2, 1, 33, 16, 8)]
+# (B, H, Nq, Nk, d, dv): square and awkward; Nq < Nk (a KV cache, bottom-right aligned); a few queries; one.
+SHAPES = [(2, 5, 63, 63, 60, 60), (2, 3, 21, 50, 16, 24), (2, 3, 4, 50, 16, 24), (3, 2, 1, 33, 16, 8)]
 TORCH_BACKENDS = {
     "eager": lambda *a, **kw: plap_attention(*a, **kw, backend="eager"),
+    "decode": lambda *a, **kw: plap_attention(*a, **kw, backend="decode"),
     "tiled": lambda *a, **kw: plap_attention(*a, **kw, backend="tiled"),
     "tiled-small-blocks": tiled_small_blocks,
 }
@@ -106,6 +108,8 @@ TORCH_BACKENDS = {
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 @pytest.mark.parametrize("backend", TORCH_BACKENDS)
 def test_torch_backends_float32(backend, shape, is_causal, mask, formulation):
+    if backend == "decode" and shape[2] > DECODE_MAX_QUERIES:
+        pytest.skip("the decode path takes a few queries only")
     inputs, p = make_inputs(*shape, torch.float32)
     attn_mask = make_mask(mask, *shape[:4])
     kwargs = dict(attn_mask=attn_mask, is_causal=is_causal, formulation=formulation)
@@ -218,10 +222,13 @@ def test_p_requiring_grad():
 
 
 def test_auto_backend_choice():
-    """On CPU eager up to EAGER_MAX_SCORES_PER_THREAD_CPU scores per thread, tiled above."""
+    """A few queries: decode. On CPU eager up to EAGER_MAX_SCORES_PER_THREAD_CPU scores per thread, tiled above."""
     limit = EAGER_MAX_SCORES_PER_THREAD_CPU * torch.get_num_threads()
-    query = torch.zeros(1, 1, 1, 4, device=DEVICE)
-    keys_at_limit, keys_above = (torch.zeros(1, 1, 1, 4, device=DEVICE).expand(1, 1, n, 4) for n in (limit, limit + 1))
+    rows = 8
+    query = torch.zeros(1, 1, rows, 4, device=DEVICE)
+    keys_at_limit, keys_above = (torch.zeros(1, 1, 1, 4, device=DEVICE).expand(1, 1, n, 4)
+                                 for n in (limit // rows, limit // rows + 1))  # fmt: skip
+    assert chosen("auto", query[:, :, :DECODE_MAX_QUERIES], keys_above) == "decode"
     if DEVICE == "cpu":
         assert chosen("auto", query, keys_at_limit) == "eager"
         assert chosen("auto", query, keys_above) == "tiled"
