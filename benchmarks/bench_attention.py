@@ -33,7 +33,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from machine import facts_label, machine_facts  # noqa: E402
-from modeling_plat.plap_attention import plap_attention, resolve_backend  # noqa: E402
+from modeling_plat.plap_attention import choose_backend, plap_attention  # noqa: E402
 
 # name: (batch, heads, length, head size, causal, p per head)
 SHAPES = {
@@ -94,7 +94,7 @@ def unavailable_reason(backend, q, p):
     if backend == "eager" and q.shape[:-1].numel() * q.shape[-2] > EAGER_MAX_SCORES:
         return "skipped: (B, H, N, N) tensors too large"
     try:
-        resolve_backend(backend, q, p=p)
+        choose_backend(backend, q, q, q, p=tuple(p.tolist()))
     except ValueError as error:
         return str(error)
     return None

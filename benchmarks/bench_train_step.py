@@ -6,12 +6,15 @@ Pairs, each timed as the median of --repeats steps after --warmup steps, round-r
 - lm: the paper's p-LaT LM (16 layers x 128, 8 heads, context 256, p = 4 x 1.5 + 4 x 2.5; 10k vocabulary)
   vs GPT2LMHeadModel of the same sizes with SDPA attention, and p-LaT with p = 2;
 - ptb: the plat-ptb-tiny preset's model (4 layers x 128, 8 heads, context 128, p = 4 x 1.5 + 4 x 2.5, 10k
-  vocabulary, hidden dropout 0.1; batch 32) vs its softmax-ptb-tiny twin (the same with p = 2).
+  vocabulary, hidden dropout 0.1; batch 32) vs its softmax-ptb-tiny twin (the same with p = 2);
+- compile: plat-ptb-tiny under torch.compile(fullgraph=True) vs the same model eager (the warm-up steps
+  compile; use --warmup 2 or more).
 Attention dropout is 0 everywhere (it would route p-LaT to the eager reference); hidden dropout is 0 except
 in the ptb pair, which copies its presets. Each printed ratio carries the machine it was measured on.
 
     python benchmarks/bench_train_step.py --pairs vision lm ptb --threads 1 --repeats 5
     python benchmarks/bench_train_step.py --pairs vision lm --out results/train_step
+    python benchmarks/bench_train_step.py --pairs compile --warmup 3 --repeats 10
 """
 
 import argparse
@@ -66,7 +69,14 @@ def ptb_models(backend):
     }
 
 
-PAIRS = {"vision": (vision_models, 8), "lm": (lm_models, 16), "ptb": (ptb_models, 32)}
+def compile_models(backend):
+    """plat-ptb-tiny under torch.compile (fullgraph) against the same model run eagerly."""
+    compiled, eager = (ptb_models(backend)["plat-ptb-tiny"] for _ in range(2))
+    eager.load_state_dict(compiled.state_dict())
+    return {"plat-ptb-tiny-compiled": torch.compile(compiled, fullgraph=True), "plat-ptb-tiny-eager": eager}
+
+
+PAIRS = {"vision": (vision_models, 8), "lm": (lm_models, 16), "ptb": (ptb_models, 32), "compile": (compile_models, 32)}
 
 
 def batches(pair, batch_size):
@@ -74,7 +84,7 @@ def batches(pair, batch_size):
     if pair == "vision":
         pixels = torch.randn(batch_size, 3, 224, 224, generator=gen)
         return dict(pixel_values=pixels, labels=torch.randint(0, 1000, (batch_size,), generator=gen))
-    tokens = torch.randint(0, 10000, (batch_size, 128 if pair == "ptb" else 256), generator=gen)
+    tokens = torch.randint(0, 10000, (batch_size, 256 if pair == "lm" else 128), generator=gen)
     return dict(input_ids=tokens, labels=tokens)
 
 

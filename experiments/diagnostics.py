@@ -44,7 +44,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from modeling_plat.plap_attention import plap_attention_weights, squared_value_distances
+from modeling_plat.plap_attention_reference import plap_attention_weights, squared_value_distances
 from plat_train.arguments import ModelArguments
 from plat_train.model_setup import build_config, load_model
 from plat_train.vision_data import FASHION_MNIST_MEAN, FASHION_MNIST_STD, fashion_mnist_files, read_idx
@@ -120,12 +120,12 @@ def attention_diagnostics(attention, hidden, attn_mask=None):
     num_heads = attention.num_heads
     query, key, value = (_heads(proj, hidden, num_heads) for proj in (attention.q_proj, attention.k_proj,
                                                                      attention.v_proj))
-    p = attention.plap_p(hidden.device)
+    p = torch.tensor(attention.p_values, device=hidden.device)
     config = attention.config
 
     def weights_of(exponents, formulation):
-        return plap_attention_weights(query, key, value, exponents, attn_mask, attention.is_causal,
-                                      config.plap_eps, formulation)
+        return plap_attention_weights(query, key, value, exponents, attn_mask=attn_mask,
+                                      is_causal=attention.is_causal, eps=config.plap_eps, formulation=formulation)
 
     # p = 2 makes P = 1 exactly: the layer's own softmax kernel with its own masking.
     softmax_kernel = weights_of(torch.full_like(p, 2.0), "paper")

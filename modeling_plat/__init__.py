@@ -27,7 +27,8 @@ from .modeling_plat import (
     PlatVisionModel,
     PlatVisionPreTrainedModel,
 )
-from .plap_attention import BACKENDS, FORMULATIONS, plap_attention, plap_attention_weights
+from .plap_attention import BACKENDS, plap_attention
+from .plap_attention_reference import FORMULATIONS, plap_attention_weights
 
 AutoConfig.register(PlatConfig.model_type, PlatConfig, exist_ok=True)
 AutoConfig.register(PlatVisionConfig.model_type, PlatVisionConfig, exist_ok=True)

@@ -25,7 +25,8 @@ from transformers.modeling_outputs import (
 from transformers.utils.generic import can_return_tuple
 
 from .configuration_plat import PlatConfig, PlatConfigBase, PlatVisionConfig
-from .plap_attention import plap_attention, plap_attention_weights
+from .plap_attention import plap_attention
+from .plap_attention_reference import plap_attention_eager
 
 
 class PlatAttention(nn.Module):
@@ -42,17 +43,11 @@ class PlatAttention(nn.Module):
         self.k_proj = nn.Linear(config.hidden_size, config.hidden_size, bias=config.qkv_bias)
         self.v_proj = nn.Linear(config.hidden_size, config.hidden_size, bias=config.qkv_bias)
         self.o_proj = nn.Linear(config.hidden_size, config.hidden_size)
-        self.attn_dropout = nn.Dropout(config.attention_probs_dropout_prob)
+        self.attn_dropout = config.attention_probs_dropout_prob
+        # Static per head: no tensor to read on the host (compiled graphs stay whole), none for model.half() to round.
         self.p_values = tuple(config.p_per_layer()[layer_idx])
-        self._p_by_device = {}
 
-    def plap_p(self, device):
-        """p per head as a float32 tensor on ``device``; kept out of buffers so ``model.half()`` cannot round it."""
-        if device not in self._p_by_device:
-            self._p_by_device[device] = torch.tensor(self.p_values, dtype=torch.float32, device=device)
-        return self._p_by_device[device]
-
-    def forward(self, hidden_states, attn_mask=None, past_key_values=None, output_attentions=False):
+    def forward(self, hidden_states, attn_mask=None, past_key_values=None, output_attentions=False, document_ids=None):
         batch, length, _ = hidden_states.shape
         heads_shape = (batch, length, self.num_heads, self.head_dim)
         query = self.q_proj(hidden_states).view(heads_shape).transpose(1, 2)  # (B, H, N, d)
@@ -61,16 +56,16 @@ class PlatAttention(nn.Module):
         if past_key_values is not None:
             key, value = past_key_values.update(key, value, self.layer_idx)  # (B, H, T, d)
 
-        attn_args = (query, key, value, self.plap_p(query.device), attn_mask, self.is_causal, self.config.plap_eps,
-                     self.config.plap_formulation)
-        weights = None
-        if output_attentions or (self.training and self.attn_dropout.p > 0):
+        attend = dict(p=self.p_values, attn_mask=attn_mask, is_causal=self.is_causal, document_ids=document_ids,
+                      eps=self.config.plap_eps, formulation=self.config.plap_formulation)
+        dropout = self.attn_dropout if self.training else 0.0
+        if output_attentions or dropout > 0:
             # Only the reference materialises the (B, H, N, T) weights that these two need.
-            weights = self.attn_dropout(plap_attention_weights(*attn_args))
-            attn_output = (weights @ value.to(weights.dtype)).to(query.dtype)
-            weights = weights.to(query.dtype)
+            attn_output, weights = plap_attention_eager(
+                query, key, value, **attend, dropout=dropout, output_attentions=output_attentions
+            )
         else:
-            attn_output = plap_attention(*attn_args, backend=self.config.plap_backend)
+            attn_output, weights = plap_attention(query, key, value, **attend, backend=self.config.plap_backend), None
         attn_output = attn_output.transpose(1, 2).reshape(batch, length, -1)  # (B, N, H * d)
         return self.o_proj(attn_output), weights
 

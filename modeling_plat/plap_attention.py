@@ -1,115 +1,113 @@
-"""p-Laplacian attention (p-LaT, arXiv 2311.03235, eq. 12): the readable reference and the backend dispatcher.
+"""p-Laplacian attention: the input checks and the choice of backend. The maths is in ``plap_attention_reference``.
 
-For one head with exponent p, queries/keys/values q, k, v of shape (B, H, N, d):
-
-    A       = softmax(q k^T / sqrt(d) + mask)                  row-normalised attention
-    D2[x,y] = ||v_x - v_y||^2                                  squared value distances
-    P[x,y]  = (D2[x,y] + eps) ** ((p - 2) / 2)                 the p-Laplacian weight
-    paper:  U = (A * P) V                                      eq. 12, rows of A * P need not sum to 1
-    euler:  U = v_x + sum_{y != x} W[x,y] (v_y - v_x),  W = A * P
-            the exact explicit Euler step of the gradient flow (eq. 7) that eq. 12 simplifies;
-            the y = x term vanishes, so there is no eps ** ((p - 2) / 2) self-weight.
-
-With p = 2 both formulations are plain softmax attention. P is always computed in float32 or wider:
-eps = 1e-6 is below fp16 resolution and the (p - 4) / 2 powers of the backward overflow half types.
+Backends, each computing ``plap_attention_reference`` (tests compare every one with a float64 reference):
+    eager   the reference itself: (B, H, Nq, Nk) memory, any input, the only one that differentiates p.
+    decode  plap_attention_decode.py: a few new queries against a KV cache, in a handful of kernels.
+    tiled   plap_attention_tiled.py: PyTorch tiles with an online softmax, O(N) extra memory.
+    triton  plap_attention_triton.py: fused kernels for CUDA (or CPU under TRITON_INTERPRET=1).
+Each backend states why it cannot run an input (``unsupported_reason``); "auto" takes the first backend of a
+preference list (``preference``) that has no objection, once per group of heads. Heads with p = 2 are softmax
+attention in every formulation and run through ``scaled_dot_product_attention`` whatever the backend.
+Nothing here reads a tensor on the host: p is static data, so compiled graphs do not break and GPUs do not wait.
 """
+
+import math
 
 import torch
 import torch.nn.functional as F
-from torch.utils.weak import WeakIdKeyDictionary
 
-from .float32_matmul import float32_baddbmm
+from . import plap_attention_decode, plap_attention_tiled, plap_attention_triton
+from .plap_attention_reference import FORMULATIONS, allowed_positions, plap_attention_eager
 
-FORMULATIONS = ("paper", "euler")
-BACKENDS = ("auto", "eager", "tiled", "triton")
-# Per intra-op thread, up to this many scores in all (B * H * Nq * Nk, the heads with p != 2) the eager path
-# beats the tiled one on CPU: its few large kernels cost less than the tiled loop's fixed per-call overhead.
-# Measured fwd+bwd, float32, p = 1.5 / 2.5, B = 1 / 4 / 16, H = 4, N = 8 ... 256, d = 16 and 64, causal or
-# not (AMD EPYC, torch 2.13): with 1 thread eager and tiled tie between 16k and 64k scores at d = 16 and
-# between 64k and 256k at d = 64; with 2 threads the ties move to 64k-256k and ~256k.
+# On CPU the eager backend beats the tiled one up to this many scores (B * H * Nq * Nk of the heads with p != 2)
+# per intra-op thread: its few large kernels cost less than the tiled loop's per-call overhead. Re-derive with
+# `python benchmarks/bench_attention.py` (crossovers per machine in docs/performance.md).
 EAGER_MAX_SCORES_PER_THREAD_CPU = 65536
 
 
-def _allowed_positions(attn_mask, is_causal, num_queries, num_keys, device):
-    """Boolean (..., Nq, Nk) mask of the pairs that may attend, or None when all may.
+class Backend:
+    """A backend's entry point and what it can run: ``run(q, k, v, *, p, attn_mask, is_causal, document_ids, eps,
+    formulation)`` returns the (B, H, Nq, dv) output; ``limits``, when given, states the input limits of its own."""
 
-    Causal masking is bottom-right aligned: query i is the token at key position Nk - Nq + i.
+    def __init__(self, name, run, formulations, differentiates_p=False, limits=None):
+        self.name, self.run, self.formulations = name, run, formulations
+        self.differentiates_p, self.limits = differentiates_p, limits
+
+    def unsupported_reason(self, query, key, value, *, p, p_trains, attn_mask, document_ids, formulation):
+        """Why this backend cannot run the input, or None."""
+        if p_trains and not self.differentiates_p:
+            return f"backend {self.name!r} computes no gradient for p, which requires grad; use 'eager'"
+        if formulation not in self.formulations:
+            return f"backend {self.name!r} does not implement formulation {formulation!r}; use 'eager'"
+        if self.limits is not None:
+            return self.limits(query, key, value, p=p, attn_mask=attn_mask, document_ids=document_ids,
+                               formulation=formulation)
+        return None
+
+
+def _eager(query, key, value, **kwargs):
+    return plap_attention_eager(query, key, value, **kwargs)[0]
+
+
+REGISTRY = {
+    "eager": Backend("eager", _eager, tuple(FORMULATIONS), differentiates_p=True),
+    "decode": Backend("decode", plap_attention_decode.plap_attention_decode, ("paper", "euler"),
+                      limits=plap_attention_decode.decode_unsupported_reason),
+    "tiled": Backend("tiled", plap_attention_tiled.plap_attention_tiled, ("paper", "euler")),
+    # Module attributes looked up per call, so that tests can stand in for a missing Triton.
+    "triton": Backend("triton", lambda *args, **kwargs: plap_attention_triton.plap_attention_triton(*args, **kwargs),
+                      ("paper", "euler"),
+                      limits=lambda *args, **kwargs: plap_attention_triton.triton_unsupported_reason(*args, **kwargs)),
+}
+BACKENDS = ("auto", *REGISTRY)
+
+
+@torch.compiler.assume_constant_result
+def _intra_op_threads():
+    return torch.get_num_threads()
+
+
+def preference(query, key):
+    """Backends "auto" tries, fastest first (measured: `python benchmarks/bench_attention.py`).
+
+    A few queries (decoding with a KV cache): the decode path. CUDA: the fused kernels. CPU: eager for small
+    inputs, tiled (O(N) memory) above. While ``torch.export`` traces, the eager reference: plain tensor
+    operations with no size-dependent Python loop.
     """
-    allowed = None
-    if is_causal:
-        query_pos = torch.arange(num_queries, device=device) + (num_keys - num_queries)
-        allowed = torch.arange(num_keys, device=device)[None, :] <= query_pos[:, None]  # (Nq, Nk)
-    if attn_mask is not None:
-        allowed = attn_mask if allowed is None else allowed & attn_mask
-    return allowed
+    if torch.compiler.is_exporting():
+        return ("eager",)
+    if query.shape[-2] <= plap_attention_decode.DECODE_MAX_QUERIES:
+        return ("decode", "eager")
+    if query.device.type == "cuda":
+        return ("triton", "tiled", "eager")
+    scores = query.shape[:-1].numel() * key.shape[-2]
+    if query.device.type == "cpu" and scores <= EAGER_MAX_SCORES_PER_THREAD_CPU * _intra_op_threads():
+        return ("eager", "tiled")
+    return ("tiled", "eager")
 
 
-def _self_pairs(num_queries, num_keys, device):
-    """(Nq, Nk) boolean mask of the pairs (x, x): query i against its own key position Nk - Nq + i."""
-    query_pos = torch.arange(num_queries, device=device) + (num_keys - num_queries)
-    return torch.arange(num_keys, device=device)[None, :] == query_pos[:, None]
+def choose_backend(backend, query, key, value, *, p, p_trains=False, attn_mask=None, document_ids=None,
+                   formulation="paper"):
+    """The backend that runs these heads: ``backend`` itself when it can (else a ValueError saying why), or for
+    "auto" the first of ``preference`` with no objection."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}")
+    candidates = preference(query, key) if backend == "auto" else (backend,)
+    reasons = []
+    for name in candidates:
+        reason = REGISTRY[name].unsupported_reason(
+            query, key, value, p=p, p_trains=p_trains, attn_mask=attn_mask, document_ids=document_ids,
+            formulation=formulation,
+        )  # fmt: skip
+        if reason is None:
+            return REGISTRY[name]
+        reasons.append(reason)
+    if backend != "auto":
+        raise ValueError(f"backend {backend!r} cannot run this input: {reasons[0]}")
+    return REGISTRY["eager"]
 
 
-def squared_value_distances(value, num_queries):
-    """D2[x, y] = ||v_x - v_y||^2 for the last ``num_queries`` values x against all values y.
-
-    Uses |v_x|^2 + |v_y|^2 - 2 v_x.v_y (one matmul, like torch.cdist, float32-exact: see
-    ``float32_baddbmm``), clamped at 0 against rounding, and sets the self pairs to an exact 0 with no gradient.
-    """
-    num_keys = value.shape[-2]
-    flat = value.flatten(0, -3)  # (B * H, Nk, dv)
-    v_query = flat[:, num_keys - num_queries :]  # (BH, Nq, dv)
-    sq_norm = flat.pow(2).sum(-1)  # (BH, Nk)
-    d2 = float32_baddbmm(sq_norm[:, None, :], v_query, flat.transpose(1, 2), alpha=-2)  # |v_y|^2 - 2 v_x.v_y
-    d2 = (d2 + sq_norm[:, num_keys - num_queries :, None]).clamp_min(0).unflatten(0, value.shape[:-2])
-    return torch.where(_self_pairs(num_queries, num_keys, value.device), 0.0, d2)  # (B, H, Nq, Nk)
-
-
-def plap_attention_weights(query, key, value, p, attn_mask=None, is_causal=False, eps=1e-6, formulation="paper"):
-    """The effective attention matrix M with U = M V, in float32 (float64 for float64 inputs).
-
-    paper: M = A * P.  euler: M = W_off + diag(1 - rowsum(W_off)) with W_off = A * P off the self pairs.
-    Rows whose every key is masked are zero. Inputs are assumed checked (see ``plap_attention``).
-    """
-    with torch.autocast(query.device.type, enabled=False):  # autocast would run the matmuls in half precision
-        return _weights_float32(query, key, value, p, attn_mask, is_causal, eps, formulation)
-
-
-def _weights_float32(query, key, value, p, attn_mask, is_causal, eps, formulation):
-    num_queries, num_keys = query.shape[-2], key.shape[-2]
-    compute_dtype = torch.promote_types(query.dtype, torch.float32)
-    q, k, v = query.to(compute_dtype), key.to(compute_dtype), value.to(compute_dtype)
-    allowed = _allowed_positions(attn_mask, is_causal, num_queries, num_keys, query.device)
-
-    scores = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5  # (B, H, Nq, Nk)
-    if allowed is not None:
-        # A finite fill (not -inf) keeps fully masked rows free of NaN in forward and backward.
-        scores = scores.masked_fill(~allowed, torch.finfo(compute_dtype).min)
-    attn = torch.softmax(scores, dim=-1)
-
-    half_p_minus_2 = ((p.to(compute_dtype) - 2) / 2).view(1, -1, 1, 1)  # (1, H, 1, 1)
-    d2 = squared_value_distances(v, num_queries)
-    if allowed is not None:
-        d2 = torch.where(allowed, d2, 1.0)  # excluded before the power: no inf * 0 anywhere
-    plap = (d2 + eps).pow(half_p_minus_2)  # (B, H, Nq, Nk)
-    weights = attn * plap
-
-    if formulation == "euler":
-        self_pairs = _self_pairs(num_queries, num_keys, query.device)
-        weights = torch.where(self_pairs, 0.0, weights)
-        weights = weights + torch.where(self_pairs, 1 - weights.sum(-1, keepdim=True), 0.0)
-    if allowed is not None:
-        weights = torch.where(allowed.any(-1, keepdim=True), weights, 0.0)
-    return weights
-
-
-def _eager(query, key, value, p, attn_mask, is_causal, eps, formulation):
-    weights = plap_attention_weights(query, key, value, p, attn_mask, is_causal, eps, formulation)
-    with torch.autocast(query.device.type, enabled=False):
-        return (weights @ value.to(weights.dtype)).to(query.dtype)
-
-
-def _check_inputs(query, key, value, p, attn_mask, eps, formulation):
+def _check_inputs(query, key, value, num_p, attn_mask, document_ids, eps, formulation):
     if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
         raise ValueError(
             f"query, key and value must be 4-D (B, H, N, d); got {tuple(query.shape)}, "
@@ -122,116 +120,65 @@ def _check_inputs(query, key, value, p, attn_mask, eps, formulation):
         )
     if query.shape[-1] != key.shape[-1]:
         raise ValueError(f"query and key head sizes differ: {query.shape[-1]} vs {key.shape[-1]}")
-    if query.shape[-2] > key.shape[-2]:
+    batch, num_heads, num_queries = query.shape[:3]
+    num_keys = key.shape[-2]
+    if num_queries > num_keys:
         raise ValueError(
-            f"p-Laplacian attention needs each query's own value: {query.shape[-2]} queries cannot be more "
-            f"than {key.shape[-2]} keys"
+            f"p-Laplacian attention needs each query's own value: {num_queries} queries cannot be more "
+            f"than {num_keys} keys"
         )
-    num_heads = query.shape[1]
-    if p.shape != (num_heads,):
-        raise ValueError(f"p must have one value per head, shape ({num_heads},); got {tuple(p.shape)}")
-    # Reading p's values synchronises a GPU and breaks compiled graphs; models validate p in their config.
-    values_readable = p.device.type == "cpu" and not torch.compiler.is_compiling()
-    if values_readable and (not bool(torch.isfinite(p).all()) or bool((p < 1).any())):
-        raise ValueError(f"p must be finite and >= 1; got {p.tolist()}")
+    if num_p != num_heads:
+        raise ValueError(f"p must have one value per head ({num_heads}); got {num_p}")
     if not eps > 0:
         raise ValueError(f"eps must be > 0; got {eps}")
     if formulation not in FORMULATIONS:
-        raise ValueError(f"formulation must be one of {FORMULATIONS}; got {formulation!r}")
+        raise ValueError(f"formulation must be one of {tuple(FORMULATIONS)}; got {formulation!r}")
     if attn_mask is not None:
         if attn_mask.dtype != torch.bool:
             raise ValueError(f"attn_mask must be boolean (True = may attend); got {attn_mask.dtype}")
-        target = (query.shape[0], num_heads, query.shape[-2], key.shape[-2])
+        target = (batch, num_heads, num_queries, num_keys)
         try:
             torch.broadcast_shapes(attn_mask.shape, target)
         except RuntimeError:
             raise ValueError(
                 f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to (B, H, Nq, Nk) = {target}"
             ) from None
+    if document_ids is not None:
+        if document_ids.shape != (batch, num_keys) or num_queries != num_keys:
+            raise ValueError(
+                f"document_ids must be (B, N) = {(batch, num_keys)} with as many queries as keys (packed "
+                f"sequences cannot use a KV cache); got {tuple(document_ids.shape)} for {num_queries} queries"
+            )
+        if document_ids.is_floating_point() or document_ids.dtype == torch.bool:
+            raise ValueError(f"document_ids must be integers; got {document_ids.dtype}")
 
 
-def resolve_backend(backend, query, key=None, attn_mask=None, p=None, value=None, max_p=None):
-    """The backend that ``backend`` names for this input's heads with p != 2; "auto" picks the fastest correct one.
+def _static_p(p, num_heads):
+    """(values, tensor): p per head as a tuple of floats, and p itself when it is a tensor that requires grad.
 
-    eager: the reference above, (B, H, Nq, Nk) memory, any input, the only one that differentiates p.
-    tiled: plap_attention_tiled.py, O(N) extra memory, any input except a p that requires grad.
-    triton: plap_attention_triton.py, fused kernels for CUDA (or CPU under TRITON_INTERPRET=1),
-        float32/bfloat16/float16, masks broadcastable to (B, 1, 1, Nk) (key padding) only; its static limits
-        (Triton version, compute capability, head sizes, ...) are in ``triton_unsupported_reason``.
-    Heads with p = 2 are softmax attention exactly and ``plap_attention`` runs them through SDPA whatever the
-    backend, unless p requires grad (see ``head_groups``).
-
-    "auto", by measured crossovers: eager when p requires grad; on CUDA triton wherever
-    ``triton_unsupported_reason`` finds no limit it breaks, else tiled; on CPU eager up to
-    EAGER_MAX_SCORES_PER_THREAD_CPU scores (B * H * Nq * Nk, counting the heads with p != 2 only) per intra-op
-    thread, tiled above (O(N) memory); tiled otherwise. Heads with p = 2 take
-    SDPA on every device and size: one fused kernel, faster than either.
-    An explicit choice that cannot run the input raises a ValueError saying why; it is never replaced.
-    ``key`` and ``value`` default to ``query``'s shape and dtype. ``max_p``, the largest of these heads' p, is
-    read from ``p`` when not given (``plap_attention`` gives it: a slice of p would be read anew every call).
+    A tensor is read on the host (a GPU synchronises): models pass tuples, known when they are built.
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}")
-    p_trains = p is not None and p.requires_grad and torch.is_grad_enabled()
-    if max_p is None and p is not None:
-        max_p = _largest(host_values(p))
-    if backend == "auto":
-        if p_trains:
-            return "eager"
-        if query.device.type == "cuda":
-            from .plap_attention_triton import triton_unsupported_reason
-
-            if triton_unsupported_reason(query, key, value, attn_mask, max_p) is None:
-                return "triton"
-        num_keys = query.shape[-2] if key is None else key.shape[-2]
-        scores = query.shape[:-1].numel() * num_keys
-        small = query.device.type == "cpu" and scores <= EAGER_MAX_SCORES_PER_THREAD_CPU * torch.get_num_threads()
-        return "eager" if small else "tiled"
-    if backend != "eager" and p_trains:
-        raise ValueError(f"backend {backend!r} computes no gradient for p, which requires grad; use 'eager'")
-    if backend == "triton":
-        from .plap_attention_triton import triton_unsupported_reason
-
-        reason = triton_unsupported_reason(query, key, value, attn_mask, max_p)
-        if reason is not None:
-            raise ValueError(f"backend 'triton' cannot run this input: {reason}")
-    return backend
-
-
-# Host copies of p per tensor object and in-place version: a GPU synchronises once per p tensor, not per call.
-_HOST_P = WeakIdKeyDictionary()
-
-
-def _largest(values):
-    return max(values) if values else None
-
-
-def host_values(p):
-    """p's values as a Python list (read from a GPU once per tensor and in-place version), or None while
-    torch.compile traces, where reading them would break the graph."""
-    if torch.compiler.is_compiling():
-        return None
-    if p.device.type == "cpu":
-        return p.tolist()
-    version, values = _HOST_P.get(p, (None, None))
-    if version != p._version:
+    if isinstance(p, torch.Tensor):
+        trains = p.requires_grad and torch.is_grad_enabled()
+        if trains and (p.device.type != "cpu" or torch.compiler.is_compiling()):
+            return None, p
         values = p.tolist()
-        _HOST_P[p] = (p._version, values)
-    return values
+        values = [values] * num_heads if p.dim() == 0 else values
+        return tuple(float(v) for v in values), p if trains else None
+    if isinstance(p, (int, float)):
+        return (float(p),) * num_heads, None
+    return tuple(float(v) for v in p), None
 
 
-def head_groups(p):
+def head_groups(p_values, num_heads):
     """Runs of consecutive heads as (first, end, softmax), softmax True for a run of p = 2 heads.
 
-    One run of every head when p's values cannot be read without breaking a compiled graph, or when p
-    requires grad (SDPA has no gradient for p).
+    One run of every head when p's values are not known on the host (a p that trains on a GPU).
     """
-    num_heads = p.shape[0]
-    values = host_values(p)
-    if values is None or (p.requires_grad and torch.is_grad_enabled()):
+    if p_values is None:
         return [(0, num_heads, False)]
     groups = []
-    for head, value in enumerate(values):
+    for head, value in enumerate(p_values):
         softmax = value == 2
         if groups and groups[-1][2] == softmax:
             groups[-1] = (groups[-1][0], head + 1, softmax)
@@ -248,17 +195,19 @@ def _heads(tensor, first, end, num_heads):
     return four_d if four_d.shape[1] == 1 else four_d[:, first:end]
 
 
-def softmax_attention(query, key, value, attn_mask=None, is_causal=False):
+def softmax_attention(query, key, value, *, attn_mask=None, is_causal=False, document_ids=None):
     """Softmax attention (p = 2) through ``scaled_dot_product_attention``, with this module's conventions.
 
     Causal masking bottom-right aligned (SDPA's own is top-left when Nq < Nk); rows with no allowed key
     output zeros with zero gradients (some SDPA kernels give NaN there); the output in ``query``'s dtype.
     """
     num_queries, num_keys = query.shape[-2], key.shape[-2]
-    sdpa_causal = is_causal and attn_mask is None and num_queries == num_keys
+    sdpa_causal = is_causal and attn_mask is None and document_ids is None and num_queries == num_keys
     allowed = None
     if not sdpa_causal:
-        allowed = _allowed_positions(attn_mask, is_causal and num_queries > 1, num_queries, num_keys, query.device)
+        allowed = allowed_positions(
+            attn_mask, is_causal and num_queries > 1, num_queries, num_keys, query.device, document_ids
+        )
     with torch.autocast(query.device.type, enabled=False):
         key, value = key.to(query.dtype), value.to(query.dtype)
         if allowed is None:
@@ -268,55 +217,50 @@ def softmax_attention(query, key, value, attn_mask=None, is_causal=False):
         return torch.where(has_key, out, 0)
 
 
-def _run_backend(backend, query, key, value, p, attn_mask, is_causal, eps, formulation):
-    if backend == "tiled":
-        from .plap_attention_tiled import plap_attention_tiled
-
-        return plap_attention_tiled(query, key, value, p, attn_mask, is_causal, eps, formulation)
-    if backend == "triton":
-        from .plap_attention_triton import plap_attention_triton
-
-        return plap_attention_triton(query, key, value, p, attn_mask, is_causal, eps, formulation)
-    return _eager(query, key, value, p, attn_mask, is_causal, eps, formulation)
-
-
 def plap_attention(
-    query, key, value, p, attn_mask=None, is_causal=False, eps=1e-6, formulation="paper", backend="auto"
-):
+    query, key, value, p, *, attn_mask=None, is_causal=False, document_ids=None, eps=1e-6, formulation="paper",
+    backend="auto",
+):  # fmt: skip
     """p-Laplacian attention of (B, H, N, d) inputs with one exponent per head.
 
     Args:
         query: (B, H, Nq, d). key: (B, H, Nk, d). value: (B, H, Nk, dv), Nq <= Nk; the queries are the
             last Nq tokens (their own values are the last Nq values), as with a KV cache.
-        p: (H,) tensor (or a float / list), p >= 1.
+        p: one exponent per head, p >= 1: a sequence of floats (static: what models pass), a float for all
+            heads, or an (H,) tensor (read on the host, unless it requires grad: then the eager backend
+            differentiates it).
         attn_mask: optional boolean mask broadcastable to (B, H, Nq, Nk), True = may attend
             (the ``scaled_dot_product_attention`` convention).
         is_causal: causal mask, bottom-right aligned when Nq < Nk.
+        document_ids: optional (B, N) integers of packed rows (Nq == Nk): a token attends only within its
+            document, so that each document gets what it gets alone.
         eps: added to the squared distances before the power.
-        formulation: "paper" (eq. 12) or "euler" (exact Euler step of eq. 7).
-        backend: "auto" or one of ``BACKENDS`` (see ``resolve_backend``); each run of consecutive heads
-            with p = 2 goes to ``softmax_attention`` instead (SDPA; exact for both formulations).
+        formulation: a key of ``FORMULATIONS`` ("paper": eq. 12, "euler": exact Euler step of eq. 7, ...).
+        backend: "auto" or one of ``REGISTRY`` (see the module docstring).
 
     Returns:
         (B, H, Nq, dv) tensor in the dtype of ``query``; rows with every key masked are zero.
     """
-    p = torch.as_tensor(p, device=query.device)
-    if p.dim() == 0:
-        p = p.expand(query.shape[1])
-    _check_inputs(query, key, value, p, attn_mask, eps, formulation)
-    values = host_values(p)
-    # An explicit backend that cannot run the input raises here.
-    resolve_backend(backend, query, key, attn_mask, p, value, max_p=_largest(values))
-    num_heads = query.shape[1]
+    num_heads = query.shape[1] if query.dim() == 4 else 0
+    p_values, p_tensor = _static_p(p, num_heads)
+    num_p = len(p_values) if p_values is not None else p_tensor.numel()
+    _check_inputs(query, key, value, num_p, attn_mask, document_ids, eps, formulation)
+    if p_values is not None and not all(math.isfinite(v) and v >= 1 for v in p_values):
+        raise ValueError(f"p must be finite and >= 1; got {list(p_values)}")
     outputs = []
-    for first, end, softmax in head_groups(p):
+    for first, end, softmax in head_groups(None if p_tensor is not None else p_values, num_heads):
         q, k, v = (_heads(t, first, end, num_heads) for t in (query, key, value))
         mask = _heads(attn_mask, first, end, num_heads)
         if softmax:
-            outputs.append(softmax_attention(q, k, v, mask, is_causal))
-        else:
-            group_p = p[first:end]
-            group_max_p = _largest(values and values[first:end])
-            group_backend = resolve_backend(backend, q, k, mask, group_p, v, max_p=group_max_p)
-            outputs.append(_run_backend(group_backend, q, k, v, group_p, mask, is_causal, eps, formulation))
+            outputs.append(softmax_attention(q, k, v, attn_mask=mask, is_causal=is_causal, document_ids=document_ids))
+            continue
+        group_p = p_tensor if p_tensor is not None else p_values[first:end]
+        chosen = choose_backend(
+            backend, q, k, v, p=group_p, p_trains=p_tensor is not None, attn_mask=mask, document_ids=document_ids,
+            formulation=formulation,
+        )  # fmt: skip
+        outputs.append(
+            chosen.run(q, k, v, p=group_p, attn_mask=mask, is_causal=is_causal, document_ids=document_ids, eps=eps,
+                       formulation=formulation)
+        )
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs, 1)  # (B, H, Nq, dv)

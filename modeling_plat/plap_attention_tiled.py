@@ -37,6 +37,7 @@ routes a ``p`` that requires grad to the eager backend under "auto"; this module
 """
 
 import math
+import re
 
 import torch
 
@@ -116,19 +117,51 @@ def _tile(buffer, *shape):
     return buffer[: math.prod(shape)].view(shape)
 
 
+class _Documents:
+    """Where each token's document lies in a packed row, read once per call on the host (the loops need it)."""
+
+    def __init__(self, document_ids):
+        self.ids = document_ids  # (B, N), on the inputs' device
+        ids = document_ids.to("cpu", torch.long)
+        _, index = torch.unique(ids, return_inverse=True)  # documents renumbered 0 .. D - 1
+        positions = torch.arange(ids.shape[1]).expand_as(ids)
+        first = torch.full((ids.shape[0], int(index.max()) + 1), ids.shape[1]).scatter_reduce(1, index, positions, "amin")
+        last = torch.full_like(first, -1).scatter_reduce(1, index, positions, "amax")
+        self.start = first.gather(1, index)  # (B, N): first position of each token's document
+        self.end = last.gather(1, index) + 1  # (B, N): one past its last position
+        self.host_ids = ids
+
+    def key_range(self, b0, b1, q0, q1):
+        """Keys [start, end) that some query of the block may see."""
+        return int(self.start[b0:b1, q0:q1].min()), int(self.end[b0:b1, q0:q1].max())
+
+    def mask_tile(self, scores, b0, b1, q0, q1, k0, k1):
+        """-inf on the pairs of a (bb, H, bq, bk) tile that lie in different documents; nothing to do (and
+        nothing paid) when the tile's queries and keys share one document in every row."""
+        ids = torch.cat((self.host_ids[b0:b1, q0:q1], self.host_ids[b0:b1, k0:k1]), 1)
+        if bool((ids.amax(1) == ids.amin(1)).all()):
+            return
+        other = self.ids[b0:b1, q0:q1, None] != self.ids[b0:b1, None, k0:k1]  # (bb, bq, bk)
+        scores.masked_fill_(other[:, None], -math.inf)
+
+
 class _Tiling:
     """Tile geometry and the per-tile recomputations shared by forward and backward.
 
     Tensors are flattened to (B * H, N, d); a batch block [b0, b1) is the row range [b0 * H, b1 * H).
     """
 
-    def __init__(self, query, key, value, runs, bias, is_causal, eps, euler, blocks):
+    def __init__(self, query, key, value, exponents, bias, document_ids, is_causal, eps, euler, blocks):
         self.batch, self.heads, self.num_queries, head_dim = query.shape
         self.num_keys = key.shape[2]
         self.offset = self.num_keys - self.num_queries  # query i is the token at key position offset + i
         self.scale = 1 / math.sqrt(head_dim)
-        self.runs, self.bias, self.is_causal, self.eps, self.euler = runs, bias, is_causal, eps, euler
+        self.runs = _exponent_runs(exponents)
+        self.bias, self.is_causal, self.eps, self.euler = bias, is_causal, eps, euler
+        if blocks is None:
+            blocks = _block_sizes(self.batch, self.heads, self.num_queries, self.num_keys, is_causal)
         self.block_b, self.block_q, self.block_k = blocks
+        self.documents = None if document_ids is None else _Documents(document_ids)
         self._causal_biases = {}
         self.q = query.flatten(0, 1)  # (BH, Nq, d)
         self.k = key.flatten(0, 1)  # (BH, Nk, d)
@@ -147,10 +180,15 @@ class _Tiling:
             for q0 in range(0, self.num_queries, self.block_q):
                 yield b0, b1, slice(b0 * self.heads, b1 * self.heads), q0, min(q0 + self.block_q, self.num_queries)
 
-    def key_blocks(self, q0, q1):
-        # Under the causal mask no query of [q0, q1) sees a key past position offset + q1 - 1.
-        end = min(self.num_keys, self.offset + q1) if self.is_causal else self.num_keys
-        for k0 in range(0, end, self.block_k):
+    def key_blocks(self, b0, b1, q0, q1):
+        # Under the causal mask no query of [q0, q1) sees a key past position offset + q1 - 1; in a packed row
+        # none sees a key outside the documents of its queries.
+        start, end = 0, self.num_keys
+        if self.documents is not None:
+            start, end = self.documents.key_range(b0, b1, q0, q1)
+        if self.is_causal:
+            end = min(end, self.offset + q1)
+        for k0 in range(start, end, self.block_k):
             yield k0, min(k0 + self.block_k, end)
 
     def self_diagonal(self, tile, q0, k0):
@@ -167,6 +205,8 @@ class _Tiling:
             scores.unflatten(0, (-1, self.heads)).add_(bias)
         if self.is_causal and k1 - 1 > self.offset + q0:  # the tile crosses the diagonal
             scores.add_(self.causal_bias(self.offset + q0 - k0, q1 - q0, k1 - k0))
+        if self.documents is not None:
+            self.documents.mask_tile(scores.unflatten(0, (-1, self.heads)), b0, b1, q0, q1, k0, k1)
         return scores
 
     def causal_bias(self, diagonal, rows, cols):
@@ -215,7 +255,7 @@ def _forward(tiling):
     scores_buffer, dist_buffer = t.new_tile_buffer(), t.new_tile_buffer()
     for b0, b1, rows, q0, q1 in t.query_blocks():
         first = True
-        for k0, k1 in t.key_blocks(q0, q1):
+        for k0, k1 in t.key_blocks(b0, b1, q0, q1):
             exp_scores = t.scores(rows, b0, b1, q0, q1, k0, k1, scores_buffer)
             tile_max = exp_scores.amax(-1, keepdim=True)  # (bh, bq, 1)
             # The running max starts at the lowest finite value, so rows masked so far give exp2(-inf) = 0.
@@ -276,7 +316,7 @@ def _backward(tiling, out, lse, own_weight, grad_out):
         grad_q_block = t.q.new_zeros(bh, bq, t.q.shape[-1])
         ratio_values = t.v.new_zeros(bh, bq, dv)  # Y V
         ratio_rowsum = t.v.new_zeros(bh, bq, 1)
-        for k0, k1 in t.key_blocks(q0, q1):
+        for k0, k1 in t.key_blocks(b0, b1, q0, q1):
             attn = t.scores(rows, b0, b1, q0, q1, k0, k1, attn_buffer).sub_(lse[rows, q0:q1, None]).exp2_()  # A
             dist = t.distances_eps(rows, q0, q1, k0, k1, dist_buffer)
             weights = t.plap_weights(attn, dist, q0, k0, out=_tile(weights_buffer, *attn.shape))
@@ -309,57 +349,112 @@ def _backward(tiling, out, lse, own_weight, grad_out):
     return grad_q, grad_k, grad_v
 
 
-class _PlapAttentionTiled(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, query, key, value, runs, bias, is_causal, eps, euler, blocks):
-        tiling = _Tiling(query, key, value, runs, bias, is_causal, eps, euler, blocks)
-        out, lse, own_weight = _forward(tiling)
-        ctx.save_for_backward(query, key, value, out, lse, own_weight)
-        ctx.args = (runs, bias, is_causal, eps, euler, blocks)
-        return out.view(query.shape[:3] + value.shape[-1:])  # (B, H, Nq, dv)
+def _op_name(name):
+    """A custom-op name unique to this module's import path: a checkpoint's remote-code copy of this file
+    registers its own ops beside the installed plugin's."""
+    return "plat::" + re.sub(r"\W", "_", __name__) + "_" + name
 
-    @staticmethod
-    def backward(ctx, grad_out):
-        query, key, value, out, lse, own_weight = ctx.saved_tensors
-        with torch.autocast(query.device.type, enabled=False):
-            tiling = _Tiling(query, key, value, *ctx.args)
-            grads = _backward(tiling, out, lse, own_weight, grad_out.flatten(0, 1).to(out.dtype))
-        grad_q, grad_k, grad_v = (g.view(x.shape) for g, x in zip(grads, (query, key, value)))
-        return grad_q, grad_k, grad_v, None, None, None, None, None, None
+
+# Custom ops, so that torch.compile and torch.export trace through the backend as one opaque node each way,
+# whatever Python loops run inside (their fake versions give only the shapes).
+@torch.library.custom_op(_op_name("forward"), mutates_args=())
+def _forward_op(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    bias: torch.Tensor | None,
+    document_ids: torch.Tensor | None,
+    exponents: list[float],
+    is_causal: bool,
+    eps: float,
+    euler: bool,
+    blocks: list[int] | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    with torch.autocast(query.device.type, enabled=False):
+        tiling = _Tiling(query, key, value, exponents, bias, document_ids, is_causal, eps, euler, blocks)
+        out, lse, own_weight = _forward(tiling)
+    own_weight = lse.new_empty(0) if own_weight is None else own_weight
+    return out.view(query.shape[:3] + value.shape[-1:]), lse, own_weight
+
+
+@_forward_op.register_fake
+def _(query, key, value, bias, document_ids, exponents, is_causal, eps, euler, blocks):
+    batch, heads, num_queries, _ = query.shape
+    lse = query.new_empty(batch * heads, num_queries)
+    return query.new_empty(query.shape[:3] + value.shape[-1:]), lse, lse.new_empty(lse.shape if euler else (0,))
+
+
+@torch.library.custom_op(_op_name("backward"), mutates_args=())
+def _backward_op(
+    grad_out: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    own_weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    document_ids: torch.Tensor | None,
+    exponents: list[float],
+    is_causal: bool,
+    eps: float,
+    euler: bool,
+    blocks: list[int] | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    with torch.autocast(query.device.type, enabled=False):
+        tiling = _Tiling(query, key, value, exponents, bias, document_ids, is_causal, eps, euler, blocks)
+        out_rows, grad_rows = out.flatten(0, 1), grad_out.flatten(0, 1).to(out.dtype)  # (BH, Nq, dv)
+        grads = _backward(tiling, out_rows, lse, own_weight if euler else None, grad_rows)
+    return tuple(g.view(x.shape) for g, x in zip(grads, (query, key, value)))
+
+
+@_backward_op.register_fake
+def _(grad_out, query, key, value, out, lse, own_weight, bias, document_ids, exponents, is_causal, eps, euler, blocks):
+    return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
+
+
+def _setup_context(ctx, inputs, output):
+    query, key, value, bias, document_ids, *ctx.args = inputs
+    out, lse, own_weight = output
+    ctx.save_for_backward(query, key, value, out, lse, own_weight, bias, document_ids)
+
+
+def _backward_of_forward(ctx, grad_out, grad_lse, grad_own_weight):
+    query, key, value, out, lse, own_weight, bias, document_ids = ctx.saved_tensors
+    grads = _backward_op(grad_out, query, key, value, out, lse, own_weight, bias, document_ids, *ctx.args)
+    return *grads, None, None, None, None, None, None, None
+
+
+_forward_op.register_autograd(_backward_of_forward, setup_context=_setup_context)
 
 
 def plap_attention_tiled(
-    query, key, value, p, attn_mask=None, is_causal=False, eps=1e-6, formulation="paper", blocks=None
-):
-    """p-Laplacian attention with O(N) extra memory; arguments as ``plap_attention`` (inputs checked there).
+    query, key, value, *, p, attn_mask=None, is_causal=False, document_ids=None, eps=1e-6, formulation="paper",
+    blocks=None,
+):  # fmt: skip
+    """p-Laplacian attention with O(N) extra memory; arguments as ``plap_attention`` (checked there).
 
-    ``p`` is an (H,) tensor and gets no gradient. ``blocks`` = (batch, query, key) block sizes overrides
-    the automatic choice (tests use small blocks to exercise the online softmax). The exponents are read
-    on the host, which synchronises a GPU once per call.
+    ``p`` is a sequence of floats, one per head (no gradient). ``blocks`` = (batch, query, key) block sizes
+    overrides the automatic choice (tests use small blocks to exercise the online softmax).
     """
-    if p.requires_grad and torch.is_grad_enabled():
-        raise ValueError("the tiled backend computes no gradient for p; use backend='eager' to train p")
     compute_dtype = torch.promote_types(query.dtype, torch.float32)
-    batch, heads, num_queries, _ = query.shape
-    num_keys = key.shape[2]
-    exponents = ((p.detach().to(torch.float64).cpu() - 2) / 2).tolist()
+    exponents = [(float(v) - 2) / 2 for v in p]
     bias = None
     if attn_mask is not None:
         mask = attn_mask.view((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))  # (B|1, H|1, Nq|1, Nk|1)
         bias = torch.zeros(mask.shape, dtype=compute_dtype, device=query.device).masked_fill_(~mask, -math.inf)
-    if blocks is None:
-        blocks = _block_sizes(batch, heads, num_queries, num_keys, is_causal)
     # P and every accumulation run in float32 (float64 for float64 inputs), also under autocast.
     with torch.autocast(query.device.type, enabled=False):
-        out = _PlapAttentionTiled.apply(
+        out, _, _ = _forward_op(
             query.to(compute_dtype).contiguous(),
             key.to(compute_dtype).contiguous(),
             value.to(compute_dtype).contiguous(),
-            _exponent_runs(exponents),
             bias,
+            document_ids,
+            exponents,
             is_causal,
-            eps,
+            float(eps),
             formulation == "euler",
-            blocks,
+            None if blocks is None else list(blocks),
         )
     return out.to(query.dtype)

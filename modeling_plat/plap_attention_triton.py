@@ -146,7 +146,8 @@ def launch_config(dtype, head_dim, value_dim, capability):
     return _configs(dtype, capability).get(max(padded_head_size(head_dim), padded_head_size(value_dim)))
 
 
-def triton_unsupported_reason(query, key=None, value=None, attn_mask=None, max_p=None):
+def triton_unsupported_reason(query, key=None, value=None, *, p=None, attn_mask=None, document_ids=None,
+                              formulation="paper"):
     """None when the Triton kernels can run this input, else why not (a phrase for an error message).
 
     ``key`` and ``value`` default to ``query``'s shape and dtype; ``max_p`` is the largest p of the heads
@@ -156,6 +157,9 @@ def triton_unsupported_reason(query, key=None, value=None, attn_mask=None, max_p
     """
     key = query if key is None else key
     value = key if value is None else value
+    max_p = max(p) if p else None
+    if document_ids is not None:
+        return "packed rows (document_ids) are not fused yet"
     if triton is None:
         return "triton is not installed (pip install triton)"
     if TRITON_VERSION < MIN_TRITON_VERSION:
@@ -680,7 +684,8 @@ class _PlapAttentionTriton(torch.autograd.Function):
 
 
 def plap_attention_triton(
-    query, key, value, p, attn_mask=None, is_causal=False, eps=1e-6, formulation="paper", blocks=None, config=None
+    query, key, value, *, p, attn_mask=None, is_causal=False, document_ids=None, eps=1e-6, formulation="paper",
+    blocks=None, config=None,
 ):
     """p-Laplacian attention with fused kernels; arguments as ``plap_attention`` (inputs checked there).
 
@@ -689,11 +694,9 @@ def plap_attention_triton(
     ``triton_unsupported_reason``). ``config`` (a LaunchConfig) overrides the one of the GPU, and ``blocks`` =
     (BLOCK_M, BLOCK_N) the tile sizes of all three kernels (tests cross tile borders with them).
     """
-    reason = triton_unsupported_reason(query, key, value, attn_mask)
+    reason = triton_unsupported_reason(query, key, value, p=p, attn_mask=attn_mask, document_ids=document_ids)
     if reason is not None:
         raise ValueError(f"the Triton backend cannot run this input: {reason}")
-    if p.requires_grad and torch.is_grad_enabled():
-        raise ValueError("the Triton backend computes no gradient for p; use backend='eager' to train p")
     if config is None and query.device.type == "cuda":
         capability = torch.cuda.get_device_capability(query.device)
         config = launch_config(query.dtype, query.shape[-1], value.shape[-1], capability)
@@ -706,7 +709,7 @@ def plap_attention_triton(
         batch, num_keys = query.shape[0], key.shape[2]
         key_keep = attn_mask.reshape(_key_padding_shape(attn_mask)).expand(batch, num_keys)
         key_keep = key_keep.to(torch.int8).contiguous()  # (B, Nk)
-    exponent = ((p.detach().float() - 2) / 2).contiguous()  # (H,)
+    exponent = (torch.tensor(p, dtype=torch.float32, device=query.device) - 2) / 2  # (H,)
     return _PlapAttentionTriton.apply(
         query, key, value, exponent, key_keep, is_causal, eps, formulation == "euler", config
     )

@@ -7,7 +7,8 @@ code or tricks with modeling_plat.plap_attention.
 import torch
 
 
-def reference_plap_attention(query, key, value, p, attn_mask=None, is_causal=False, eps=1e-6, formulation="paper"):
+def reference_plap_attention(query, key, value, p, attn_mask=None, is_causal=False, eps=1e-6, formulation="paper",
+                             document_ids=None):
     q, k, v = (t.double() for t in (query, key, value))
     num_queries, num_keys = q.shape[-2], k.shape[-2]
     offset = num_keys - num_queries
@@ -17,6 +18,10 @@ def reference_plap_attention(query, key, value, p, attn_mask=None, is_causal=Fal
     if attn_mask is not None:
         allowed = allowed & attn_mask
     allowed = allowed.expand(q.shape[0], q.shape[1], num_queries, num_keys)
+    if document_ids is not None:
+        docs = document_ids.tolist()
+        same = torch.tensor([[[a == b for b in row] for a in row] for row in docs])  # (B, N, N)
+        allowed = allowed & same[:, None]
 
     scores = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
     scores = torch.where(allowed, scores, -1e300)
@@ -29,9 +34,13 @@ def reference_plap_attention(query, key, value, p, attn_mask=None, is_causal=Fal
     d2 = torch.where(self_pair, torch.zeros_like(d2), d2)
     exponent = ((torch.as_tensor(p, dtype=torch.float64) - 2) / 2).view(1, -1, 1, 1)
     plap = torch.where(allowed, d2 + eps, torch.ones_like(d2)) ** exponent
+    if formulation == "noself":  # the other tokens' p-Laplacian weights alone
+        plap = torch.where(self_pair, torch.ones_like(plap), plap)
+    if formulation == "selfweight":  # eq. 12's self-weight eps^((p - 2) / 2) alone
+        plap = torch.where(self_pair, eps**exponent * torch.ones_like(plap), torch.ones_like(plap))
     weights = attn * plap
 
-    if formulation == "paper":
+    if formulation != "euler":
         out = weights @ v
     else:
         off = torch.where(self_pair, torch.zeros_like(weights), weights)

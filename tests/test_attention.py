@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from modeling_plat import plap_attention, plap_attention_weights
+from modeling_plat import FORMULATIONS, plap_attention, plap_attention_weights
 from reference import reference_plap_attention
 
 P_VALUES = [1.1, 1.5, 2.0, 2.5, 3.0]
@@ -47,7 +47,7 @@ def check_against_reference(inputs, p, tol, **kwargs):
         assert relative_error(g_ours, g_ref) <= tol, f"d{name} differs"
 
 
-@pytest.mark.parametrize("formulation", ["paper", "euler"])
+@pytest.mark.parametrize("formulation", FORMULATIONS)
 @pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize("masked", [False, True])
 @pytest.mark.parametrize("duplicates", [False, True])
@@ -79,7 +79,7 @@ def test_cache_alignment_fewer_queries_than_keys(formulation):
 
 
 @pytest.mark.parametrize("is_causal", [False, True])
-@pytest.mark.parametrize("formulation", ["paper", "euler"])
+@pytest.mark.parametrize("formulation", FORMULATIONS)
 def test_p2_is_softmax_attention(is_causal, formulation):
     q, k, v = (t.detach().float() for t in make_inputs(nq=11, nk=11, d=16, dv=16))
     mask = padding_mask(2, 11, 11)
@@ -131,6 +131,19 @@ def test_paper_diagonal_weight_is_eps_power():
     weights = plap_attention_weights(q, k, v, torch.tensor([1.5]), eps=1e-6)
     attn = torch.softmax(q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5, dim=-1)
     torch.testing.assert_close(weights.diagonal(dim1=-2, dim2=-1), attn.diagonal(dim1=-2, dim2=-1) * 1e-6**-0.25)
+
+
+def test_the_factorial_splits_eq_12_into_self_weight_and_p_weighting():
+    """noself is eq. 12 with the self pair's P = 1; selfweight is softmax with eq. 12's self pair alone."""
+    q, k, v = (t.detach() for t in make_inputs())
+    p = torch.tensor(P_VALUES, dtype=torch.float64)
+    weights = {name: plap_attention_weights(q, k, v, p, formulation=name) for name in ("paper", "noself", "selfweight")}
+    attn = plap_attention_weights(q, k, v, torch.full_like(p, 2.0))  # softmax
+    own = torch.eye(7, dtype=torch.bool)
+    torch.testing.assert_close(weights["noself"][..., own], attn[..., own])
+    torch.testing.assert_close(weights["noself"][..., ~own], weights["paper"][..., ~own])
+    torch.testing.assert_close(weights["selfweight"][..., own], weights["paper"][..., own])
+    torch.testing.assert_close(weights["selfweight"][..., ~own], attn[..., ~own])
 
 
 def test_euler_weights_rows_sum_to_one():

@@ -15,7 +15,8 @@ import torch.nn.functional as F
 
 from modeling_plat import plap_attention
 from modeling_plat import plap_attention_triton as triton_module
-from modeling_plat.plap_attention import EAGER_MAX_SCORES_PER_THREAD_CPU, resolve_backend
+from modeling_plat.plap_attention import EAGER_MAX_SCORES_PER_THREAD_CPU, choose_backend
+from modeling_plat.plap_attention_decode import DECODE_MAX_QUERIES
 from modeling_plat.plap_attention_tiled import plap_attention_tiled
 from reference import reference_plap_attention
 
@@ -74,19 +75,28 @@ def check(run, inputs, p, dtype, **kwargs):
         assert relative_error(ours, theirs) <= tol, (name, relative_error(ours, theirs))
 
 
-def tiled_small_blocks(*args, **kwargs):
+def tiled_small_blocks(query, key, value, p, **kwargs):
     """Blocks much smaller than the sequences: several online-softmax steps and partial tiles."""
-    return plap_attention_tiled(*args, **kwargs, blocks=(1, 16, 24))
+    return plap_attention_tiled(query, key, value, p=tuple(p.tolist()), **kwargs, blocks=(1, 16, 24))
 
 
-def triton_small_blocks(*args, **kwargs):
-    return triton_module.plap_attention_triton(*args, **kwargs, blocks=(16, 16))
+def chosen(backend, query, key=None, value=None, p=None, **kwargs):
+    """The name of the backend the dispatcher picks for these heads."""
+    key = query if key is None else key
+    value = key if value is None else value
+    p = (1.5,) * query.shape[1] if p is None else p
+    return choose_backend(backend, query, key, value, p=p, **kwargs).name
 
 
-# (B, H, Nq, Nk, d, dv): square and awkward; Nq < Nk (a KV cache, bottom-right aligned); one query.
-SHAPES = [(2, 5, 63, 63, 60, 60), (2, 3, 21, 50, 16, 24), (3, 2, 1, 33, 16, 8)]
+def triton_small_blocks(query, key, value, p, **kwargs):
+    return triton_module.plap_attention_triton(query, key, value, p=tuple(p.tolist()), **kwargs, blocks=(16, 16))
+
+
+# (B, H, Nq, Nk, d, dv): square and awkward; Nq < Nk (a KV cache, bottom-right aligned); a few queries; one.
+SHAPES = [(2, 5, 63, 63, 60, 60), (2, 3, 21, 50, 16, 24), (2, 3, 4, 50, 16, 24), (3, 2, 1, 33, 16, 8)]
 TORCH_BACKENDS = {
     "eager": lambda *a, **kw: plap_attention(*a, **kw, backend="eager"),
+    "decode": lambda *a, **kw: plap_attention(*a, **kw, backend="decode"),
     "tiled": lambda *a, **kw: plap_attention(*a, **kw, backend="tiled"),
     "tiled-small-blocks": tiled_small_blocks,
 }
@@ -98,6 +108,8 @@ TORCH_BACKENDS = {
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 @pytest.mark.parametrize("backend", TORCH_BACKENDS)
 def test_torch_backends_float32(backend, shape, is_causal, mask, formulation):
+    if backend == "decode" and shape[2] > DECODE_MAX_QUERIES:
+        pytest.skip("the decode path takes a few queries only")
     inputs, p = make_inputs(*shape, torch.float32)
     attn_mask = make_mask(mask, *shape[:4])
     kwargs = dict(attn_mask=attn_mask, is_causal=is_causal, formulation=formulation)
@@ -204,21 +216,24 @@ def test_p_requiring_grad():
     p.requires_grad_()
     with pytest.raises(ValueError, match="no gradient for p"):
         plap_attention(*inputs, p, backend="tiled")
-    assert resolve_backend("auto", inputs[0], inputs[1], None, p) == "eager"
+    assert chosen("auto", *inputs, p=p, p_trains=True) == "eager"
     plap_attention(*inputs, p).sum().backward()  # auto: eager, which differentiates p
     assert p.grad is not None and torch.isfinite(p.grad).all()
 
 
 def test_auto_backend_choice():
-    """On CPU eager up to EAGER_MAX_SCORES_PER_THREAD_CPU scores per thread, tiled above."""
+    """A few queries: decode. On CPU eager up to EAGER_MAX_SCORES_PER_THREAD_CPU scores per thread, tiled above."""
     limit = EAGER_MAX_SCORES_PER_THREAD_CPU * torch.get_num_threads()
-    query = torch.zeros(1, 1, 1, 4, device=DEVICE)
-    keys_at_limit, keys_above = (torch.zeros(1, 1, 1, 4, device=DEVICE).expand(1, 1, n, 4) for n in (limit, limit + 1))
+    rows = 8
+    query = torch.zeros(1, 1, rows, 4, device=DEVICE)
+    keys_at_limit, keys_above = (torch.zeros(1, 1, 1, 4, device=DEVICE).expand(1, 1, n, 4)
+                                 for n in (limit // rows, limit // rows + 1))  # fmt: skip
+    assert chosen("auto", query[:, :, :DECODE_MAX_QUERIES], keys_above) == "decode"
     if DEVICE == "cpu":
-        assert resolve_backend("auto", query, keys_at_limit) == "eager"
-        assert resolve_backend("auto", query, keys_above) == "tiled"
+        assert chosen("auto", query, keys_at_limit) == "eager"
+        assert chosen("auto", query, keys_above) == "tiled"
     with pytest.raises(ValueError, match="backend must be one of"):
-        resolve_backend("flash", query)
+        chosen("flash", query)
 
 
 def test_triton_unavailable_is_an_error(monkeypatch):
@@ -226,10 +241,10 @@ def test_triton_unavailable_is_an_error(monkeypatch):
     monkeypatch.setattr(triton_module, "INTERPRETED", False)
     if not TRITON_MISSING:
         with pytest.raises(ValueError, match="need CUDA tensors"):
-            resolve_backend("triton", query)
+            chosen("triton", query)
     monkeypatch.setattr(triton_module, "triton", None)
     with pytest.raises(ValueError, match="triton is not installed"):
-        resolve_backend("triton", query)
+        chosen("triton", query)
 
 
 @needs_triton
@@ -237,8 +252,8 @@ def test_triton_rejects_general_masks():
     query = torch.zeros(2, 3, 4, 4, device=DEVICE)
     full_mask = torch.ones(2, 3, 4, 4, dtype=torch.bool, device=DEVICE)
     with pytest.raises(ValueError, match="key-padding"):
-        resolve_backend("triton", query, attn_mask=full_mask)
-    assert resolve_backend("triton", query, attn_mask=full_mask[:, :1, :1]) == "triton"
+        chosen("triton", query, attn_mask=full_mask)
+    assert chosen("triton", query, attn_mask=full_mask[:, :1, :1]) == "triton"
 
 
 TRITON_SHAPES = [(2, 3, 33, 33, 16, 16), (2, 2, 17, 33, 16, 24)]

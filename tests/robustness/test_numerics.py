@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from modeling_plat import BACKENDS, plap_attention
-from modeling_plat.plap_attention import resolve_backend
+from modeling_plat.plap_attention import choose_backend
 from tiny import classifier, lm, train_losses
 
 EDGE_P = [1.0, 1.01, 1.5, 2.0, 2.5, 3.0]
@@ -19,7 +19,7 @@ def runnable_backends():
         if name == "auto":
             continue
         try:
-            resolve_backend(name, probe)
+            choose_backend(name, probe, probe, probe, p=(1.5,))
         except (ValueError, ImportError):
             continue
         names.append(name)
