@@ -41,7 +41,7 @@ def case_id(case):
     )
 
 
-def _launches(triton_module, case):
+def launches(triton_module, case):
     """The (name, Launch) of the three kernels for a case, on CPU tensors shaped as a small real input."""
     batch, heads = 2, 3
     dtype = DTYPES[case["dtype"]]
@@ -80,7 +80,7 @@ def _compile(launch, arch):
     return triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target, options=options.__dict__)
 
 
-def _ptxas_usage(log):
+def ptxas_usage(log):
     """Registers and spill bytes from the ``ptxas -v`` log that Triton prints with TRITON_DUMP_PTXAS_LOG=1."""
     registers = re.search(r"Used (\d+) registers", log)
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
@@ -91,17 +91,24 @@ def _ptxas_usage(log):
     )
 
 
+def compile_with_log(launch, arch):
+    """(compiled kernel, ptxas log): the log holds registers, spills and warnings when TRITON_DUMP_PTXAS_LOG=1
+    is set and the kernel is not found in Triton's cache."""
+    log = io.StringIO()
+    with contextlib.redirect_stdout(log):
+        compiled = _compile(launch, arch)
+    return compiled, log.getvalue()
+
+
 def compile_case(triton_module, case):
     """One result dict per kernel of the case."""
     results = []
-    for name, launch in _launches(triton_module, case):
+    for name, launch in launches(triton_module, case):
         result = dict(case=case_id(case), kernel=name, arch=case["arch"], meta=launch.meta)
         start = time.perf_counter()
-        log = io.StringIO()
         try:
-            with contextlib.redirect_stdout(log):
-                compiled = _compile(launch, case["arch"])
-            result.update(ok=True, shared=compiled.metadata.shared, **_ptxas_usage(log.getvalue()))
+            compiled, log = compile_with_log(launch, case["arch"])
+            result.update(ok=True, shared=compiled.metadata.shared, **ptxas_usage(log))
         except Exception as error:  # reported to the test, which fails on it
             message = f"{type(error).__name__}: {error}"
             result.update(ok=False, error=message[-4000:], trace=traceback.format_exc()[-4000:])
