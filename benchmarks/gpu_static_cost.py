@@ -4,9 +4,10 @@
 
 Each kernel (forward, dK/dV, dQ) is compiled for sm_90 (H100) and sm_80 (A100) with the launch configuration
 that the Triton backend uses there (tests/triton_aot.py: Triton's compiler and the ptxas of its wheel), then
-disassembled with the wheel's ``cuobjdump -sass``. The main loop is the range of the kernel's outermost
-backward branch; its instructions are counted per score, that is divided by the scores one thread handles
-per iteration (BLOCK_M * BLOCK_N / (32 * num_warps)), so that tiles that repeat work across warps count it.
+disassembled with the wheel's ``cuobjdump -sass``. The main loop is the range of a backward branch, the
+shortest that holds a matmul (the loop of plain tiles where a kernel splits off the masked ones). Its
+instructions are counted per score, that is divided by the scores one thread handles per iteration
+(BLOCK_M * BLOCK_N / (32 * num_warps)), so that tiles that repeat work across warps count it.
 
 Estimated time per score (clocks of one SM) = the slowest of the pipes below, each at its published per-SM
 throughput (NVIDIA's H100 and A100 whitepapers: 4 schedulers, 16 SFUs, 128 / 64 FP32 lanes per SM; dense
@@ -73,17 +74,19 @@ def disassemble(cubin):
 
 
 def main_loop(instructions):
-    """The instructions of the outermost loop: from the target of the backward branch that reaches farthest
-    back to that branch."""
+    """The instructions of the main loop: the shortest range from a backward branch's target to the branch that
+    holds a matmul. Kernels may split their loop in two, tiles that need masks (diagonal, padding, the last
+    partial tile) and plain tiles, the many; the plain loop is the shorter."""
     loops = []
     for address, opcode, _, operands in instructions:
         target = re.match(r"\s*(?:`\()?(0x[0-9a-f]+)", operands)
         if opcode == "BRA" and target and int(target.group(1), 16) < address:
-            loops.append((int(target.group(1), 16), address))
+            body = [ins for ins in instructions if int(target.group(1), 16) <= ins[0] <= address]
+            if any(ins[1] in ("HGMMA", "HMMA") for ins in body):
+                loops.append(body)
     if not loops:
-        raise ValueError("no backward branch: the kernel has no loop")
-    start, end = max(loops, key=lambda loop: loop[1] - loop[0])
-    return [ins for ins in instructions if start <= ins[0] <= end]
+        raise ValueError("no loop with a matmul in the kernel")
+    return min(loops, key=len)
 
 
 def mma_flops(opcode, modifiers):

@@ -181,7 +181,7 @@ def resolve_backend(backend, query, key=None, attn_mask=None, p=None, value=None
         if query.device.type == "cuda":
             from .plap_attention_triton import triton_unsupported_reason
 
-            if triton_unsupported_reason(query, key, value, attn_mask, max_p) is None:
+            if triton_unsupported_reason(query, key, value, p=(max_p,) if max_p else (), attn_mask=attn_mask) is None:
                 return "triton"
         num_keys = query.shape[-2] if key is None else key.shape[-2]
         scores = query.shape[:-1].numel() * num_keys
@@ -192,7 +192,7 @@ def resolve_backend(backend, query, key=None, attn_mask=None, p=None, value=None
     if backend == "triton":
         from .plap_attention_triton import triton_unsupported_reason
 
-        reason = triton_unsupported_reason(query, key, value, attn_mask, max_p)
+        reason = triton_unsupported_reason(query, key, value, p=(max_p,) if max_p else (), attn_mask=attn_mask)
         if reason is not None:
             raise ValueError(f"backend 'triton' cannot run this input: {reason}")
     return backend
@@ -276,7 +276,8 @@ def _run_backend(backend, query, key, value, p, attn_mask, is_causal, eps, formu
     if backend == "triton":
         from .plap_attention_triton import plap_attention_triton
 
-        return plap_attention_triton(query, key, value, p, attn_mask, is_causal, eps, formulation)
+        return plap_attention_triton(query, key, value, p=tuple(host_values(p)), attn_mask=attn_mask,
+                                     is_causal=is_causal, eps=eps, formulation=formulation)  # fmt: skip
     return _eager(query, key, value, p, attn_mask, is_causal, eps, formulation)
 
 

@@ -79,8 +79,13 @@ def tiled_small_blocks(*args, **kwargs):
     return plap_attention_tiled(*args, **kwargs, blocks=(1, 16, 24))
 
 
+def run_triton(query, key, value, p, **kwargs):
+    """The Triton backend called as the dispatcher calls it: p as a tuple of floats."""
+    return triton_module.plap_attention_triton(query, key, value, p=tuple(p.tolist()), **kwargs)
+
+
 def triton_small_blocks(*args, **kwargs):
-    return triton_module.plap_attention_triton(*args, **kwargs, blocks=(16, 16))
+    return run_triton(*args, **kwargs, blocks=(16, 16))
 
 
 # (B, H, Nq, Nk, d, dv): square and awkward; Nq < Nk (a KV cache, bottom-right aligned); one query.
@@ -299,4 +304,4 @@ def test_triton_module_imports_without_triton(monkeypatch):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     assert module.triton is None
-    assert "not installed" in module.triton_unsupported_reason(torch.zeros(1, 1, 2, 2))
+    assert "not installed" in module.triton_unsupported_reason(*[torch.zeros(1, 1, 2, 2)] * 3, p=(1.5,))

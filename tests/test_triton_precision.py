@@ -13,7 +13,7 @@ import torch
 from modeling_plat import plap_attention_triton as triton_module
 from modeling_plat.plap_attention_tiled import plap_attention_tiled
 from reference import reference_plap_attention
-from test_backends import check, make_inputs, make_mask, relative_error
+from test_backends import check, make_inputs, make_mask, relative_error, run_triton
 from tf32 import round_tf32
 
 pytestmark = pytest.mark.skipif(
@@ -58,7 +58,7 @@ def gpu_dots(monkeypatch):
 
 
 def run_kernels(*args, **kwargs):
-    return triton_module.plap_attention_triton(*args, **kwargs, blocks=(16, 16))
+    return run_triton(*args, **kwargs, blocks=(16, 16))
 
 
 @pytest.mark.parametrize("formulation", ["paper", "euler"])
@@ -129,5 +129,5 @@ def test_gpu_launch_configurations(dtype, head_dim, config):
     outputs and gradients with those blocks, across tile borders, Nq < Nk, causal and padded."""
     shape = (1, 2, 150, 170, head_dim, head_dim)
     inputs, p = make_inputs(*shape, dtype)
-    run = lambda *args, **kwargs: triton_module.plap_attention_triton(*args, **kwargs, config=config)  # noqa: E731
+    run = lambda *args, **kwargs: run_triton(*args, **kwargs, config=config)  # noqa: E731
     check(run, inputs, p, dtype, attn_mask=make_mask("padding", *shape[:4]), is_causal=True, formulation="euler")
