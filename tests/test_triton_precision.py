@@ -131,3 +131,33 @@ def test_gpu_launch_configurations(dtype, head_dim, config):
     inputs, p = make_inputs(*shape, dtype)
     run = lambda *args, **kwargs: run_triton(*args, **kwargs, config=config)  # noqa: E731
     check(run, inputs, p, dtype, attn_mask=make_mask("padding", *shape[:4]), is_causal=True, formulation="euler")
+
+
+def perturbed(function, relative=0.0, absolute=0.0):
+    """``function`` with errors of the given size and a pseudo-random sign, larger than the GPU's approximate
+    instructions have (ex2/lg2/sqrt/rsqrt.approx.f32: relative ~2^-22, lg2 absolute ~2^-22)."""
+    signs = np.random.default_rng(0)
+
+    def approximate(self, arg):
+        exact = function(arg.data)
+        noise = signs.choice(np.array([-1.0, 1.0], dtype=exact.dtype), size=exact.shape)
+        return interpreter.TensorHandle((exact * (1 + noise * relative) + noise * absolute).astype(exact.dtype),
+                                        arg.dtype.scalar)  # fmt: skip
+
+    return approximate
+
+
+@pytest.mark.parametrize("formulation", ["paper", "euler"])
+def test_approximate_special_functions_keep_float32_accuracy(gpu_dots, monkeypatch, formulation):
+    """The kernels' exp2, log2, sqrt and rsqrt are the hardware's approximate ones on a GPU (the interpreter
+    computes them exactly): with every result off by 2^-21 the outputs and gradients of every class of the
+    power (p = 1.5, 2.5 and others, P_MIX) stay within the float32 tolerance of the float64 reference."""
+    builder = interpreter.InterpreterBuilder
+    monkeypatch.setattr(builder, "create_exp2", perturbed(np.exp2, relative=2**-21))
+    monkeypatch.setattr(builder, "create_log2", perturbed(np.log2, absolute=2**-21))
+    monkeypatch.setattr(builder, "create_sqrt", perturbed(np.sqrt, relative=2**-21))
+    monkeypatch.setattr(builder, "create_rsqrt", perturbed(lambda x: 1 / np.sqrt(x), relative=2**-21))
+    shape = (2, 5, 17, 33, 16, 24)
+    inputs, p = make_inputs(*shape, torch.float32)
+    check(run_kernels, inputs, p, torch.float32, attn_mask=make_mask("padding", *shape[:4]), is_causal=True,
+          formulation=formulation)  # fmt: skip
