@@ -38,7 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from modeling_plat.plap_attention import plap_attention, resolve_backend  # noqa: E402
+from modeling_plat.plap_attention import choose_backend, plap_attention  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 HEAD_DIMS = (16, 48, 64, 80, 128)
@@ -114,7 +114,7 @@ def run_case(case, device):
     """Result of one sweep case: the backend that ran, relative errors and the rerun check, or a skip."""
     inputs, p, kwargs, grad_out = make_case_inputs(case, device)
     try:
-        backend = resolve_backend(case["backend"], inputs[0], inputs[1], kwargs.get("attn_mask"), p, inputs[2])
+        backend = choose_backend(case["backend"], *inputs, p=tuple(p.tolist()), attn_mask=kwargs.get("attn_mask")).name
     except ValueError as reason:
         return dict(status="skipped", reason=str(reason))
     reference_inputs = [t.detach().double().requires_grad_() for t in inputs]

@@ -4,11 +4,21 @@ Same maths and backward as ``plap_attention_tiled`` (see its docstring), with ea
 
 - ``_plap_fwd_kernel``: one program per (query block, batch * head); loops over key blocks with an
   online softmax (running max and sum in float32); the numerator accumulates exp(s - m) * P @ V, the
-  denominator exp(s - m) alone. Saves the output, the row logsumexp and, for euler, 1 - rowsum(W_off).
+  denominator exp(s - m) alone. Saves the output, the row logsumexp (base 2) and, for euler,
+  1 - rowsum(W_off).
 - ``_plap_bwd_dkdv_kernel``: one program per (key block, batch * head); loops over query blocks for dk
   and the key-side part of dv.
 - ``_plap_bwd_dq_kernel``: one program per (query block, batch * head); loops over key blocks for dq and
   adds the query-side part of dv (the distance terms of each query's own value) to the rows dkdv wrote.
+
+Built against the static cost model of ``benchmarks/gpu_static_cost.py`` (instructions per score of the main
+loop): scores in log2 units (one exp2 each, log2(e) / sqrt(d) folded into the scale); D2 + eps from the
+values' squared norms, computed once per call; P = (D2 + eps) ** ((p - 2) / 2) with the hardware's
+approximate special functions (relative error ~2^-22), p = 1.5 and 2.5 as rsqrt/sqrt chains (one launch per
+run of heads with equal p, the power's class a compile-time constant), any other p as exp2(e * log2(x)); the
+backward's 1 / (D2 + eps) from the same rsqrt, or exp2(-log2(x)). Each loop runs in two parts: plain tiles,
+whose pairs are all allowed and off the diagonal, with no mask and no self-pair test, then the few masked
+tiles (the diagonal band, the last partial tile, every tile under key padding).
 
 P and every accumulation are float32. Matmuls of half-precision operands take them as they are (exact
 products). No matmul with a float32 operand runs in plain TF32, whose inputs keep 10 mantissa bits: for
@@ -17,7 +27,8 @@ operand is the distance gradient Gd of Gd V and Gd^T V_q (``_exact_dot``). Gd gr
 its exact row and column sums cancel against those matmuls, so that a TF32 rounding of Gd (2^-11) would make
 dV of coinciding values mostly noise. Masks: causal (bottom-right aligned) and key padding (a boolean mask
 broadcastable to (B, 1, 1, Nk)); ``plap_attention`` routes other masks to the tiled backend. Lengths need
-not be multiples of the blocks. No gradient for p (a fixed buffer).
+not be multiples of the blocks. The wrapper makes q, k and v contiguous once, so that the kernels compute
+offsets from the shapes. No gradient for p (static per head).
 
 What a GPU can run is decided before any launch, by ``triton_unsupported_reason``: the Triton version, the
 compute capability, dtypes, head sizes per dtype and architecture (so that the tiles fit its shared memory),
@@ -69,6 +80,10 @@ TF32_MASK = constexpr(0xFFFFE000)
 # For p <= 3, P = (|v_x - v_y|^2 + eps)^((p - 2) / 2) is at most about the value distance itself; for larger p
 # it can pass float16's largest value (65,504) with ordinary activations (at p = 4, distances above 256).
 FLOAT16_MAX_P = 3.0
+# exp(x) = exp2(x * LOG2_E): the kernels' scores are in log2 units, log2(e) / sqrt(d) folded into one scale.
+LOG2_E = 1.4426950408889634
+LN_2 = constexpr(math.log(2))
+FORMULATIONS = ("paper", "euler")
 # Row max start: finite, so that rows with no allowed key so far give exp(-inf - MIN) = 0, never NaN.
 MIN_SCORE = constexpr(-1.0e38)
 
@@ -101,7 +116,8 @@ def _config(fwd, dkdv, dq):
 # Each kernel holds its own block as the left operand of its matmuls and loops over blocks of the other
 # side: the larger that loop's block, the more registers its right operands take in every warp. Chosen as
 # the largest tiles whose compiled kernels spill no registers (or a few dozen bytes) and fit the shared
-# memory, as tests/test_triton_compile.py prints them; GPU timings may refine them. Larger heads run tiled.
+# memory, as tests/test_triton_compile.py prints them; between those, the fewest instructions per score in
+# benchmarks/gpu_static_cost.py. GPU timings may refine them. Larger heads run tiled.
 CONFIGS = {
     (8, "half"): {
         16: _config((128, 64, 8, 2), (32, 128, 8, 2), (128, 32, 8, 2)),
@@ -112,7 +128,7 @@ CONFIGS = {
     (9, "half"): {
         16: _config((128, 64, 8, 2), (32, 128, 8, 2), (128, 32, 8, 2)),
         32: _config((128, 64, 8, 2), (32, 128, 8, 2), (128, 32, 8, 2)),
-        64: _config((128, 64, 8, 2), (16, 128, 8, 2), (128, 32, 8, 2)),
+        64: _config((128, 64, 8, 2), (32, 128, 8, 2), (128, 32, 8, 2)),
         128: _config((128, 32, 8, 2), (16, 128, 8, 2), (32, 16, 4, 2)),
     },
     (8, "float32"): {
@@ -123,7 +139,7 @@ CONFIGS = {
     (9, "float32"): {
         16: _config((128, 16, 8, 2), (16, 128, 8, 2), (128, 16, 8, 2)),
         32: _config((128, 16, 8, 2), (16, 128, 8, 2), (64, 16, 4, 2)),
-        64: _config((128, 16, 8, 2), (16, 32, 4, 2), (32, 16, 4, 2)),
+        64: _config((128, 16, 8, 2), (32, 16, 4, 2), (32, 16, 4, 2)),
     },
 }
 # Tile sizes under the interpreter (CPU), where warps and stages mean nothing.
@@ -146,24 +162,25 @@ def launch_config(dtype, head_dim, value_dim, capability):
     return _configs(dtype, capability).get(max(padded_head_size(head_dim), padded_head_size(value_dim)))
 
 
-def triton_unsupported_reason(query, key=None, value=None, *, p=None, attn_mask=None, document_ids=None,
-                              formulation="paper"):
+def triton_unsupported_reason(query, key=None, value=None, *, p, attn_mask=None, document_ids=None,
+                              formulation="paper"):  # fmt: skip
     """None when the Triton kernels can run this input, else why not (a phrase for an error message).
 
-    ``key`` and ``value`` default to ``query``'s shape and dtype; ``max_p`` is the largest p of the heads
-    (None: not checked, as while torch.compile traces, where p's values cannot be read). Every limit is
-    static (shapes, dtypes, p, the device's compute capability, the Triton version), so that ``auto`` can
-    choose another backend.
+    ``key`` and ``value`` default to ``query``'s shape and dtype. ``p`` is the heads' p, a tuple of floats
+    (its largest decides float16's limit). Every limit is static (shapes, dtypes, p, the device's compute
+    capability, the Triton version), so that ``auto`` can choose another backend; nothing here reads a
+    tensor's values.
     """
     key = query if key is None else key
     value = key if value is None else value
-    max_p = max(p) if p else None
-    if document_ids is not None:
-        return "packed rows (document_ids) are not fused yet"
     if triton is None:
         return "triton is not installed (pip install triton)"
     if TRITON_VERSION < MIN_TRITON_VERSION:
         return f"triton {triton.__version__} is older than {'.'.join(map(str, MIN_TRITON_VERSION))}"
+    if formulation not in FORMULATIONS:
+        return f"formulation {formulation!r} is not one of {FORMULATIONS}"
+    if document_ids is not None:
+        return "packed documents (document_ids) are not fused yet"
     if query.device.type == "cuda":
         capability = torch.cuda.get_device_capability(query.device)
         reason = capability_reason(capability, query.dtype, query.shape[-1], value.shape[-1])
@@ -174,7 +191,7 @@ def triton_unsupported_reason(query, key=None, value=None, *, p=None, attn_mask=
             f"the kernels need CUDA tensors, got {query.device.type} (CPU tensors run only under the Triton "
             "interpreter, TRITON_INTERPRET=1 set before import)"
         )
-    return reason or _input_reason(query, key, value, attn_mask, max_p)
+    return reason or _input_reason(query, key, value, attn_mask, max(p, default=None))
 
 
 def capability_reason(capability, dtype, head_dim, value_dim):
@@ -202,21 +219,14 @@ def _input_reason(query, key, value, attn_mask, max_p):
         return f"only key-padding masks broadcastable as (B, 1, 1, Nk) are fused; got {tuple(attn_mask.shape)}"
     if attn_mask is not None and attn_mask.device != query.device:
         return f"the mask is on {attn_mask.device}, the inputs on {query.device}"
-    # Outputs and gradients are contiguous: one (batch, head) slab of the largest holds Nk * max(d, dv).
-    extents = dict(query=_slab_extent(query), key=_slab_extent(key), value=_slab_extent(value),
-                   gradients=key.shape[2] * max(query.shape[-1], value.shape[-1]) - 1)  # fmt: skip
-    for name, extent in extents.items():
-        if extent > MAX_OFFSET:
-            return f"the {name} of one (batch, head) span more than 2^31 elements: int32 offsets would overflow"
+    # The kernels take contiguous tensors: rows * d offsets inside one (batch, head) slab are int32.
+    extent = max(query.shape[2], key.shape[2]) * max(query.shape[-1], value.shape[-1])
+    if extent > MAX_OFFSET:
+        return "one (batch, head) of the inputs spans more than 2^31 elements: int32 offsets would overflow"
     programs = query.shape[0] * query.shape[1] * key.shape[2]  # above the programs of any grid (tiles of 16+)
     if programs > MAX_OFFSET:
         return f"B * H * Nk = {programs} is above 2^31: the grid would overflow"
     return None
-
-
-def _slab_extent(tensor):
-    """Largest element offset inside one (batch, head) slab of a (B, H, N, d) tensor."""
-    return sum((size - 1) * abs(stride) for size, stride in zip(tensor.shape[2:], tensor.stride()[2:]))
 
 
 def _key_padding_shape(attn_mask):
@@ -226,41 +236,84 @@ def _key_padding_shape(attn_mask):
 
 
 @jit
-def _program_ids(num_rows, BLOCK: constexpr):
-    """(row block, batch * head) of this program. The grid is 1-D (CUDA caps axes 1 and 2 at 65535);
-    the row blocks of one head are adjacent, so that they share its keys and values in L2."""
+def _probe():
+    pass
+
+
+# Under the interpreter triton.jit returns interpreted functions instead of JITFunctions.
+INTERPRETED = triton is not None and not isinstance(_probe, triton.runtime.JITFunction)
+# The interpreter cannot run inline PTX: it takes numpy's logarithm instead of the MUFU one.
+HARDWARE_LOG2 = constexpr(not INTERPRETED)
+# Exponent classes of (D2 + eps) ** ((p - 2) / 2), chosen per run of heads: any p through log2 and exp2, or
+# p = 1.5 and 2.5 (the paper's) as square-root chains, two special-function operations instead of three.
+POWER_ANY, POWER_MINUS_QUARTER, POWER_QUARTER = constexpr(0), constexpr(1), constexpr(2)
+POWER_CLASSES = {1.5: 1, 2.5: 2}  # p -> POWER; any other p: POWER_ANY
+
+
+@jit
+def _program_ids(num_rows, head_start, run_heads, num_heads, BLOCK: constexpr):
+    """(row block, batch * H + head) of this program, for a run of heads head_start ... + run_heads. The grid
+    is 1-D (CUDA caps axes 1 and 2 at 65535); the row blocks of one head are adjacent, so that they share its
+    keys and values in L2. The slab index is int64, as B * H * N * d may pass 2^31."""
     pid = tl.program_id(0)
     num_blocks = tl.cdiv(num_rows, BLOCK)
-    return pid % num_blocks, pid // num_blocks
+    rest = pid // num_blocks
+    head = head_start + rest % run_heads
+    return pid % num_blocks, (rest // run_heads).to(tl.int64) * num_heads + head
 
 
 @jit
-def _slab(ptr, batch, head, stride_b, stride_h):
-    """Pointer to the (batch, head) slab of a (B, H, ...) tensor; int64, as B * H * N * d may pass 2^31."""
-    return ptr + batch.to(tl.int64) * stride_b + head.to(tl.int64) * stride_h
+def _row_ptrs(ptr, rows, COLS: constexpr, BLOCK_COLS: constexpr):
+    """Pointers and mask of rows of a contiguous (rows, COLS) matrix, padded to BLOCK_COLS columns."""
+    cols = tl.arange(0, BLOCK_COLS)
+    return ptr + rows[:, None] * COLS + cols[None, :], cols[None, :] < COLS
 
 
 @jit
-def _tile_ptrs(ptr, rows, cols, stride_row, stride_col):
-    return ptr + rows[:, None] * stride_row + cols[None, :] * stride_col
+def _load_rows(ptr, rows, num_rows, COLS: constexpr, BLOCK_COLS: constexpr):
+    """(len(rows), BLOCK_COLS) tile of a contiguous (num_rows, COLS) matrix; zeros outside it."""
+    ptrs, col_in = _row_ptrs(ptr, rows, COLS, BLOCK_COLS)
+    return tl.load(ptrs, mask=(rows[:, None] < num_rows) & col_in, other=0.0)
 
 
 @jit
-def _tile_mask(rows, num_rows, cols, num_cols):
-    return (rows[:, None] < num_rows) & (cols[None, :] < num_cols)
+def _store_rows(ptr, rows, num_rows, tile, COLS: constexpr, BLOCK_COLS: constexpr):
+    ptrs, col_in = _row_ptrs(ptr, rows, COLS, BLOCK_COLS)
+    tl.store(ptrs, tile.to(ptr.dtype.element_ty), mask=(rows[:, None] < num_rows) & col_in)
 
 
 @jit
-def _load_tile(ptr, rows, num_rows, stride_row, cols, num_cols, stride_col):
-    """(len(rows), len(cols)) tile of a row-major matrix view; zeros outside (num_rows, num_cols)."""
-    return tl.load(
-        _tile_ptrs(ptr, rows, cols, stride_row, stride_col), mask=_tile_mask(rows, num_rows, cols, num_cols), other=0.0
-    )
+def _log2(x):
+    if HARDWARE_LOG2:  # MUFU.LG2; tl.log2 is libdevice's software logarithm, ~30 instructions
+        return tl.inline_asm_elementwise("lg2.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
+                                         pack=1)  # fmt: skip
+    else:
+        return tl.log2(x)
 
 
 @jit
-def _squared_norms(tile):
-    return tl.sum(tile.to(tl.float32) * tile.to(tl.float32), 1)
+def _power(dist_eps, exponent, POWER: constexpr):
+    """P = dist_eps ** exponent and 1 / dist_eps, with approximate special functions (relative error ~2^-22)."""
+    if POWER == POWER_ANY:
+        log = _log2(dist_eps)
+        return tl.exp2(exponent * log), tl.exp2(-log)
+    else:
+        rsqrt = tl.rsqrt(dist_eps)
+        if POWER == POWER_MINUS_QUARTER:
+            power = tl.sqrt(rsqrt)
+        else:
+            power = tl.sqrt(dist_eps * rsqrt)
+        return power, rsqrt * rsqrt
+
+
+@jit
+def _exponent(exponent, POWER: constexpr):
+    """The exponent as a compile-time constant where its class fixes it."""
+    if POWER == POWER_MINUS_QUARTER:
+        exponent = -0.25
+    elif POWER == POWER_QUARTER:
+        exponent = 0.25
+    return exponent
 
 
 @jit
@@ -305,258 +358,363 @@ def _pair_dot(query_side, key_side, QUERY_AXIS: constexpr):
 
 
 @jit
-def _allowed(rows, cols, num_queries, num_keys, key_keep_row, IS_CAUSAL: constexpr, HAS_KEY_MASK: constexpr,
-             QUERY_AXIS: constexpr):  # fmt: skip
-    """Boolean tile: query rows may attend to key cols (in range, causal, not padding)."""
-    query_pos = _per_query(rows, QUERY_AXIS)
-    key_pos = _per_key(cols, QUERY_AXIS)
-    allowed = (query_pos < num_queries) & (key_pos < num_keys)
-    if IS_CAUSAL:
-        allowed = allowed & (key_pos <= query_pos + (num_keys - num_queries))
-    if HAS_KEY_MASK:
-        keep = tl.load(key_keep_row + cols, mask=cols < num_keys, other=0)
-        allowed = allowed & (_per_key(keep, QUERY_AXIS) != 0)
-    return allowed
+def _masked_scores(scores, rows, cols, num_queries, num_keys, key_keep_row, MASKED: constexpr,
+                   IS_CAUSAL: constexpr, HAS_KEY_MASK: constexpr, QUERY_AXIS: constexpr):  # fmt: skip
+    """-inf where query rows may not attend to key cols (out of range, causal, padding); tiles that the loop
+    split proves whole and allowed (MASKED false) skip the test."""
+    if MASKED:
+        query_pos = _per_query(rows, QUERY_AXIS)
+        key_pos = _per_key(cols, QUERY_AXIS)
+        allowed = (query_pos < num_queries) & (key_pos < num_keys)
+        if IS_CAUSAL:
+            allowed = allowed & (key_pos <= query_pos + (num_keys - num_queries))
+        if HAS_KEY_MASK:
+            keep = tl.load(key_keep_row + cols, mask=cols < num_keys, other=0)
+            allowed = allowed & (_per_key(keep, QUERY_AXIS) != 0)
+        scores = tl.where(allowed, scores, float("-inf"))
+    return scores
 
 
 @jit
-def _plap_weight(v_query, sq_query, values, sq_keys, rows, cols, offset, exponent, eps, QUERY_AXIS: constexpr):
-    """D2 + eps (self pairs exactly eps), P = (D2 + eps) ** exponent, and the self-pair mask, all tiles."""
+def _distances(v_query, sq_query_eps, values, sq_keys, rows, cols, offset, eps, MASKED: constexpr,
+               QUERY_AXIS: constexpr):  # fmt: skip
+    """D2 + eps from the squared norms (eps already in the query's), self pairs exactly eps, and the self-pair
+    tile (None-free: all false where the loop split excludes self pairs, MASKED false)."""
     cross = _pair_dot(v_query, values, QUERY_AXIS)
-    dist = tl.maximum(_per_query(sq_query, QUERY_AXIS) + _per_key(sq_keys, QUERY_AXIS) - 2 * cross, 0.0)
+    dist_eps = tl.maximum(_per_query(sq_query_eps, QUERY_AXIS) + _per_key(sq_keys, QUERY_AXIS) - 2 * cross, eps)
     is_self = _per_key(cols, QUERY_AXIS) == _per_query(rows, QUERY_AXIS) + offset
-    dist_eps = tl.where(is_self, 0.0, dist) + eps
-    return dist_eps, tl.exp2(exponent * tl.log2(dist_eps)), is_self
+    if MASKED:
+        dist_eps = tl.where(is_self, eps, dist_eps)
+    return dist_eps, is_self & MASKED
+
+
+@jit
+def _loop_split(begin, a, b, c, end, BLOCK: constexpr):
+    """The tiles of a loop over [begin, end) as two lists: plain tiles [begin, a) and [b, c), whose pairs are
+    all allowed, in range and off the diagonal, and masked tiles [a, b) and [max(b, c), end). Each list is
+    (count, count of its first range, first start, second start), read by ``_tile_start``; a, b and c are
+    multiples of BLOCK from begin wherever a range follows them."""
+    first_plain = (a - begin) // BLOCK
+    plain = (first_plain + tl.maximum(c - b, 0) // BLOCK, first_plain, begin, b)
+    first_masked = tl.cdiv(b - a, BLOCK)
+    second = tl.maximum(b, c)
+    masked = (first_masked + tl.cdiv(tl.maximum(end - second, 0), BLOCK), first_masked, a, second)
+    return plain, masked
+
+
+@jit
+def _tile_start(index, tiles, BLOCK: constexpr):
+    first_count, first_start, second_start = tiles[1], tiles[2], tiles[3]
+    return tl.where(index < first_count, first_start + index * BLOCK, second_start + (index - first_count) * BLOCK)
+
+
+@jit
+def _key_loop_bounds(pid_m, num_queries, num_keys, BLOCK_M: constexpr, BLOCK_N: constexpr, IS_CAUSAL: constexpr,
+                     HAS_KEY_MASK: constexpr):  # fmt: skip
+    """The ``_loop_split`` of a query block's loop over key blocks (forward and dq)."""
+    offset = num_keys - num_queries
+    first_key = offset + pid_m * BLOCK_M  # the key position of the block's first query
+    full_end = num_keys // BLOCK_N * BLOCK_N
+    if IS_CAUSAL:
+        end = tl.minimum(num_keys, first_key + BLOCK_M)
+        a = tl.minimum(full_end, first_key // BLOCK_N * BLOCK_N)  # below the diagonal: no self pair either
+        b = end
+        c = end
+    else:
+        end = num_keys
+        a = tl.minimum(full_end, first_key // BLOCK_N * BLOCK_N)
+        b = tl.maximum(a, tl.minimum(end, tl.cdiv(tl.minimum(first_key + BLOCK_M, num_keys), BLOCK_N) * BLOCK_N))
+        c = full_end
+    if HAS_KEY_MASK:
+        a = 0
+        b = end
+        c = end
+    return _loop_split(0, a, b, c, end, BLOCK_N)
+
+
+@jit
+def _query_loop_bounds(pid_n, num_queries, num_keys, BLOCK_M: constexpr, BLOCK_N: constexpr, IS_CAUSAL: constexpr,
+                       HAS_KEY_MASK: constexpr):  # fmt: skip
+    """The ``_loop_split`` of a key block's loop over query blocks (dkdv)."""
+    offset = num_keys - num_queries
+    first_query = pid_n * BLOCK_N - offset  # the query at the block's first key position (may be < 0)
+    full_end = num_queries // BLOCK_M * BLOCK_M
+    begin = 0
+    if IS_CAUSAL:  # queries before the block's first key never see it
+        begin = tl.maximum(first_query, 0) // BLOCK_M * BLOCK_M
+        a = begin
+        b = tl.minimum(full_end, tl.cdiv(tl.maximum(first_query + BLOCK_N, 0), BLOCK_M) * BLOCK_M)
+        b = tl.maximum(b, begin)
+        c = full_end
+    else:
+        a = tl.minimum(full_end, tl.maximum(first_query, 0) // BLOCK_M * BLOCK_M)
+        band_end = tl.cdiv(tl.minimum(tl.maximum(first_query + BLOCK_N, 0), num_queries), BLOCK_M) * BLOCK_M
+        b = tl.maximum(a, tl.minimum(num_queries, band_end))
+        c = full_end
+    if HAS_KEY_MASK:
+        a = begin
+        b = num_queries
+        c = num_queries
+    return _loop_split(begin, a, b, c, num_queries, BLOCK_M)
+
+
+@jit
+def _fwd_tile(q, v_query, sq_query_eps, row_max, row_sum, off_sum, acc, K, V, SqNorms, key_keep_row, rows, start,
+              num_queries, num_keys, scale_log2, exponent, eps, HEAD_DIM: constexpr, VALUE_DIM: constexpr,
+              BLOCK_D: constexpr, BLOCK_DV: constexpr, BLOCK_N: constexpr, POWER: constexpr, MASKED: constexpr,
+              IS_CAUSAL: constexpr, HAS_KEY_MASK: constexpr, EULER: constexpr):  # fmt: skip
+    """One key block of the online softmax; scores in log2 units (log2(e) folded into the scale)."""
+    cols = start + tl.arange(0, BLOCK_N)
+    k = _load_rows(K, cols, num_keys, HEAD_DIM, BLOCK_D)
+    values = _load_rows(V, cols, num_keys, VALUE_DIM, BLOCK_DV)
+    sq_keys = tl.load(SqNorms + cols, mask=cols < num_keys, other=0.0)
+    scores = _pair_dot(q, k, 0) * scale_log2
+    scores = _masked_scores(scores, rows, cols, num_queries, num_keys, key_keep_row, MASKED, IS_CAUSAL,
+                            HAS_KEY_MASK, 0)  # fmt: skip
+    new_max = tl.maximum(row_max, tl.max(scores, 1))
+    rescale = tl.exp2(row_max - new_max)
+    expo = tl.exp2(scores - new_max[:, None])
+    row_sum = row_sum * rescale + tl.sum(expo, 1)
+    dist_eps, is_self = _distances(v_query, sq_query_eps, values, sq_keys, rows, cols, num_keys - num_queries, eps,
+                                   MASKED, 0)  # fmt: skip
+    weights = expo * _power(dist_eps, _exponent(exponent, POWER), POWER)[0]
+    if EULER:
+        if MASKED:
+            weights = tl.where(is_self, 0.0, weights)
+        off_sum = off_sum * rescale + tl.sum(weights, 1)
+    acc = acc * rescale[:, None] + tl.dot(weights.to(values.dtype), values, input_precision=FLOAT32_DOT)
+    return new_max, row_sum, off_sum, acc
 
 
 @jit
 def _plap_fwd_kernel(
-    Q, K, V, Out, Lse, OwnWeight, Exponent, KeyKeep,
-    stride_qb, stride_qh, stride_qn, stride_qd,
-    stride_kb, stride_kh, stride_kn, stride_kd,
-    stride_vb, stride_vh, stride_vn, stride_vd,
-    stride_ob, stride_oh, stride_on, stride_od,
-    stride_keep_b,
-    num_heads, num_queries, num_keys, scale, eps,
-    HEAD_DIM: constexpr, VALUE_DIM: constexpr, BLOCK_D: constexpr, BLOCK_DV: constexpr,
-    BLOCK_M: constexpr, BLOCK_N: constexpr, IS_CAUSAL: constexpr, HAS_KEY_MASK: constexpr, EULER: constexpr,
+    Q, K, V, SqNorms, KeyKeep, Out, Lse, OwnWeight,
+    head_start, run_heads, num_heads, num_queries, num_keys, scale_log2, exponent, eps,
+    HEAD_DIM: constexpr, VALUE_DIM: constexpr, BLOCK_D: constexpr, BLOCK_DV: constexpr, BLOCK_M: constexpr,
+    BLOCK_N: constexpr, POWER: constexpr, IS_CAUSAL: constexpr, HAS_KEY_MASK: constexpr, EULER: constexpr,
 ):  # fmt: skip
-    pid_m, pid_bh = _program_ids(num_queries, BLOCK_M)
-    batch, head = pid_bh // num_heads, pid_bh % num_heads
+    pid_m, slab = _program_ids(num_queries, head_start, run_heads, num_heads, BLOCK_M)
     offset = num_keys - num_queries  # query i is the token at key position offset + i
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    dims, vdims = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV)
-    Q = _slab(Q, batch, head, stride_qb, stride_qh)
-    K = _slab(K, batch, head, stride_kb, stride_kh)
-    V = _slab(V, batch, head, stride_vb, stride_vh)
-    Out = _slab(Out, batch, head, stride_ob, stride_oh)
-    stats = pid_bh.to(tl.int64) * num_queries  # Lse and OwnWeight are (B * H, Nq), contiguous
-    key_keep_row = KeyKeep + batch.to(tl.int64) * stride_keep_b
-    q = _load_tile(Q, rows, num_queries, stride_qn, dims, HEAD_DIM, stride_qd)
-    v_query = _load_tile(V, rows + offset, num_keys, stride_vn, vdims, VALUE_DIM, stride_vd)
-    sq_query = _squared_norms(v_query)
-    exponent = tl.load(Exponent + head)
+    row_in = rows < num_queries
+    K += slab * num_keys * HEAD_DIM
+    V += slab * num_keys * VALUE_DIM
+    SqNorms += slab * num_keys
+    stats = slab * num_queries  # Lse and OwnWeight are (B, H, Nq)
+    key_keep_row = KeyKeep + (slab // num_heads) * num_keys
+    q = _load_rows(Q + slab * num_queries * HEAD_DIM, rows, num_queries, HEAD_DIM, BLOCK_D)
+    v_query = _load_rows(V, rows + offset, num_keys, VALUE_DIM, BLOCK_DV)
+    sq_query_eps = tl.load(SqNorms + rows + offset, mask=row_in, other=0.0) + eps
 
     row_max = tl.full([BLOCK_M], MIN_SCORE, tl.float32)
     row_sum = tl.zeros([BLOCK_M], tl.float32)
     off_sum = tl.zeros([BLOCK_M], tl.float32)  # rowsum(W_off) * running normaliser, euler only
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    end = num_keys
-    if IS_CAUSAL:
-        end = tl.minimum(num_keys, offset + (pid_m + 1) * BLOCK_M)
-    for start in range(0, end, BLOCK_N):
-        cols = start + tl.arange(0, BLOCK_N)
-        k = _load_tile(K, cols, num_keys, stride_kn, dims, HEAD_DIM, stride_kd)
-        values = _load_tile(V, cols, num_keys, stride_vn, vdims, VALUE_DIM, stride_vd)
-        scores = _pair_dot(q, k, 0) * scale
-        allowed = _allowed(rows, cols, num_queries, num_keys, key_keep_row, IS_CAUSAL, HAS_KEY_MASK, 0)
-        scores = tl.where(allowed, scores, float("-inf"))
-        new_max = tl.maximum(row_max, tl.max(scores, 1))
-        rescale = tl.exp(row_max - new_max)
-        expo = tl.exp(scores - new_max[:, None])
-        row_sum = row_sum * rescale + tl.sum(expo, 1)
-        dist_eps, plap, is_self = _plap_weight(
-            v_query, sq_query, values, _squared_norms(values), rows, cols, offset, exponent, eps, 0
-        )
-        weights = expo * plap
-        if EULER:
-            weights = tl.where(is_self, 0.0, weights)
-            off_sum = off_sum * rescale + tl.sum(weights, 1)
-        acc = acc * rescale[:, None] + tl.dot(weights.to(values.dtype), values, input_precision=FLOAT32_DOT)
-        row_max = new_max
+    plain, masked = _key_loop_bounds(pid_m, num_queries, num_keys, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_KEY_MASK)
+    for index in range(0, plain[0]):
+        row_max, row_sum, off_sum, acc = _fwd_tile(
+            q, v_query, sq_query_eps, row_max, row_sum, off_sum, acc, K, V, SqNorms, key_keep_row, rows,
+            _tile_start(index, plain, BLOCK_N), num_queries, num_keys, scale_log2, exponent, eps, HEAD_DIM,
+            VALUE_DIM, BLOCK_D, BLOCK_DV, BLOCK_N, POWER, False, IS_CAUSAL, HAS_KEY_MASK, EULER,
+        )  # fmt: skip
+    for index in range(0, masked[0]):
+        row_max, row_sum, off_sum, acc = _fwd_tile(
+            q, v_query, sq_query_eps, row_max, row_sum, off_sum, acc, K, V, SqNorms, key_keep_row, rows,
+            _tile_start(index, masked, BLOCK_N), num_queries, num_keys, scale_log2, exponent, eps, HEAD_DIM,
+            VALUE_DIM, BLOCK_D, BLOCK_DV, BLOCK_N, POWER, True, IS_CAUSAL, HAS_KEY_MASK, EULER,
+        )  # fmt: skip
 
     valid = row_sum > 0  # at least one allowed key; fully masked rows output zeros
     inv_sum = 1.0 / tl.where(valid, row_sum, 1.0)
     out = acc * inv_sum[:, None]
-    row_in = rows < num_queries
     if EULER:
         own_weight = tl.where(valid, 1.0 - off_sum * inv_sum, 0.0)  # u_x = v_x (1 - rowsum W_off) + W_off V
         out += own_weight[:, None] * v_query.to(tl.float32)
         tl.store(OwnWeight + stats + rows, own_weight, mask=row_in)
-    tl.store(_tile_ptrs(Out, rows, vdims, stride_on, stride_od), out.to(Out.dtype.element_ty),
-             mask=_tile_mask(rows, num_queries, vdims, VALUE_DIM))  # fmt: skip
-    # +inf on fully masked rows makes the backward's exp(s - lse) exactly 0 there.
-    lse = row_max + tl.log(tl.where(valid, row_sum, 1.0))
+    _store_rows(Out + slab * num_queries * VALUE_DIM, rows, num_queries, out, VALUE_DIM, BLOCK_DV)
+    # In log2 units; +inf on fully masked rows makes the backward's exp2(s - lse) exactly 0 there.
+    lse = row_max + tl.log2(tl.where(valid, row_sum, 1.0))
     tl.store(Lse + stats + rows, tl.where(valid, lse, float("inf")), mask=row_in)
 
 
 @jit
 def _tile_grads(
-    q, k, v_query, values, sq_query, sq_keys, grad_out, lse, delta, own_dot, rows, cols, key_keep_row,
-    num_queries, num_keys, scale, exponent, eps,
-    IS_CAUSAL: constexpr, HAS_KEY_MASK: constexpr, EULER: constexpr, QUERY_AXIS: constexpr,
+    q, k, v_query, values, sq_query_eps, sq_keys, grad_out, lse, delta, own_dot, rows, cols, key_keep_row,
+    num_queries, num_keys, scale_log2, exponent, eps,
+    POWER: constexpr, MASKED: constexpr, IS_CAUSAL: constexpr, HAS_KEY_MASK: constexpr, EULER: constexpr,
+    QUERY_AXIS: constexpr,
 ):  # fmt: skip
     """Recompute one tile: W (W_off for euler), dS and 2 dL/dD2 (0 on self pairs)."""
-    scores = _pair_dot(q, k, QUERY_AXIS) * scale
-    allowed = _allowed(rows, cols, num_queries, num_keys, key_keep_row, IS_CAUSAL, HAS_KEY_MASK, QUERY_AXIS)
-    attn = tl.exp(tl.where(allowed, scores, float("-inf")) - _per_query(lse, QUERY_AXIS))
-    dist_eps, plap, is_self = _plap_weight(
-        v_query, sq_query, values, sq_keys, rows, cols, num_keys - num_queries, exponent, eps, QUERY_AXIS
-    )
-    weights = attn * plap
+    scores = _masked_scores(_pair_dot(q, k, QUERY_AXIS) * scale_log2, rows, cols, num_queries, num_keys,
+                            key_keep_row, MASKED, IS_CAUSAL, HAS_KEY_MASK, QUERY_AXIS)  # fmt: skip
+    attn = tl.exp2(scores - _per_query(lse, QUERY_AXIS))
+    dist_eps, is_self = _distances(v_query, sq_query_eps, values, sq_keys, rows, cols, num_keys - num_queries, eps,
+                                   MASKED, QUERY_AXIS)  # fmt: skip
+    exponent = _exponent(exponent, POWER)
+    power, inv_dist = _power(dist_eps, exponent, POWER)
+    weights = attn * power
     grad_w = _pair_dot(grad_out, values, QUERY_AXIS)  # G = dU V^T
     if EULER:
-        weights = tl.where(is_self, 0.0, weights)
+        if MASKED:
+            weights = tl.where(is_self, 0.0, weights)
         grad_w -= _per_query(own_dot, QUERY_AXIS)  # dW = G - dU.v_x
     weighted = weights * grad_w
     grad_scores = weighted - attn * _per_query(delta, QUERY_AXIS)
-    grad_dist = tl.where(is_self, 0.0, 2 * exponent * weighted / dist_eps)
+    grad_dist = (2 * exponent) * weighted * inv_dist
+    if MASKED:
+        grad_dist = tl.where(is_self, 0.0, grad_dist)
     return weights, grad_scores, grad_dist
 
 
 @jit
-def _plap_bwd_dkdv_kernel(
-    Q, K, V, GradOut, Lse, Delta, OwnDot, Exponent, KeyKeep, GradK, GradV,
-    stride_qb, stride_qh, stride_qn, stride_qd,
-    stride_kb, stride_kh, stride_kn, stride_kd,
-    stride_vb, stride_vh, stride_vn, stride_vd,
-    stride_gb, stride_gh, stride_gn, stride_gd,
-    stride_keep_b,
-    stride_dkb, stride_dkh, stride_dkn, stride_dkd,
-    stride_dvb, stride_dvh, stride_dvn, stride_dvd,
-    num_heads, num_queries, num_keys, scale, eps,
-    HEAD_DIM: constexpr, VALUE_DIM: constexpr, BLOCK_D: constexpr, BLOCK_DV: constexpr,
-    BLOCK_M: constexpr, BLOCK_N: constexpr, IS_CAUSAL: constexpr, HAS_KEY_MASK: constexpr, EULER: constexpr,
-):  # fmt: skip
-    pid_n, pid_bh = _program_ids(num_keys, BLOCK_N)
-    batch, head = pid_bh // num_heads, pid_bh % num_heads
+def _query_side(slab, rows, V, SqNorms, GradOut, Lse, Delta, OwnDot, num_queries, num_keys, eps,
+                VALUE_DIM: constexpr, BLOCK_DV: constexpr):  # fmt: skip
+    """What a backward tile needs of a block of queries besides q: own values, their squared norms + eps, dU,
+    and the row statistics."""
     offset = num_keys - num_queries
+    row_in = rows < num_queries
+    stats = slab * num_queries + rows
+    v_query = _load_rows(V, rows + offset, num_keys, VALUE_DIM, BLOCK_DV)
+    sq_query_eps = tl.load(SqNorms + rows + offset, mask=row_in, other=0.0) + eps
+    grad_out = _load_rows(GradOut + slab * num_queries * VALUE_DIM, rows, num_queries, VALUE_DIM, BLOCK_DV)
+    lse = tl.load(Lse + stats, mask=row_in, other=float("inf"))
+    delta = tl.load(Delta + stats, mask=row_in, other=0.0)
+    own_dot = tl.load(OwnDot + stats, mask=row_in, other=0.0)
+    return v_query, sq_query_eps, grad_out, lse, delta, own_dot
+
+
+@jit
+def _dkdv_tile(grad_k, grad_v, grad_dist_sum, k, values, sq_keys, cols, start, slab, Q, V, SqNorms, GradOut, Lse,
+               Delta, OwnDot, key_keep_row, num_queries, num_keys, scale_log2, exponent, eps, HEAD_DIM: constexpr,
+               VALUE_DIM: constexpr, BLOCK_D: constexpr, BLOCK_DV: constexpr, BLOCK_M: constexpr,
+               POWER: constexpr, MASKED: constexpr, IS_CAUSAL: constexpr, HAS_KEY_MASK: constexpr,
+               EULER: constexpr):  # fmt: skip
+    rows = start + tl.arange(0, BLOCK_M)
+    q = _load_rows(Q + slab * num_queries * HEAD_DIM, rows, num_queries, HEAD_DIM, BLOCK_D)
+    v_query, sq_query_eps, grad_out, lse, delta, own_dot = _query_side(
+        slab, rows, V, SqNorms, GradOut, Lse, Delta, OwnDot, num_queries, num_keys, eps, VALUE_DIM, BLOCK_DV
+    )
+    # (keys, queries) tiles
+    weights, grad_scores, grad_dist = _tile_grads(
+        q, k, v_query, values, sq_query_eps, sq_keys, grad_out, lse, delta, own_dot, rows, cols, key_keep_row,
+        num_queries, num_keys, scale_log2, exponent, eps, POWER, MASKED, IS_CAUSAL, HAS_KEY_MASK, EULER, 1,
+    )  # fmt: skip
+    grad_v += tl.dot(weights.to(grad_out.dtype), grad_out, input_precision=FLOAT32_DOT)
+    grad_k += tl.dot(grad_scores.to(q.dtype), q, input_precision=FLOAT32_DOT)
+    # Key side of the distances: dv_y += 2 sum_x dL/dD2 (v_y - v_x); the v_y term after the loop.
+    grad_dist_sum += tl.sum(grad_dist, 1)
+    grad_v = _exact_dot(-grad_dist, v_query, grad_v)
+    return grad_k, grad_v, grad_dist_sum
+
+
+@jit
+def _plap_bwd_dkdv_kernel(
+    Q, K, V, SqNorms, KeyKeep, GradOut, Lse, Delta, OwnDot, GradK, GradV,
+    head_start, run_heads, num_heads, num_queries, num_keys, scale_log2, exponent, eps,
+    HEAD_DIM: constexpr, VALUE_DIM: constexpr, BLOCK_D: constexpr, BLOCK_DV: constexpr, BLOCK_M: constexpr,
+    BLOCK_N: constexpr, POWER: constexpr, IS_CAUSAL: constexpr, HAS_KEY_MASK: constexpr, EULER: constexpr,
+):  # fmt: skip
+    pid_n, slab = _program_ids(num_keys, head_start, run_heads, num_heads, BLOCK_N)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    dims, vdims = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV)
-    Q = _slab(Q, batch, head, stride_qb, stride_qh)
-    K = _slab(K, batch, head, stride_kb, stride_kh)
-    V = _slab(V, batch, head, stride_vb, stride_vh)
-    GradOut = _slab(GradOut, batch, head, stride_gb, stride_gh)
-    GradK = _slab(GradK, batch, head, stride_dkb, stride_dkh)
-    GradV = _slab(GradV, batch, head, stride_dvb, stride_dvh)
-    stats = pid_bh.to(tl.int64) * num_queries
-    key_keep_row = KeyKeep + batch.to(tl.int64) * stride_keep_b
-    k = _load_tile(K, cols, num_keys, stride_kn, dims, HEAD_DIM, stride_kd)
-    values = _load_tile(V, cols, num_keys, stride_vn, vdims, VALUE_DIM, stride_vd)
-    sq_keys = _squared_norms(values)
-    exponent = tl.load(Exponent + head)
+    V += slab * num_keys * VALUE_DIM
+    SqNorms += slab * num_keys
+    key_keep_row = KeyKeep + (slab // num_heads) * num_keys
+    k = _load_rows(K + slab * num_keys * HEAD_DIM, cols, num_keys, HEAD_DIM, BLOCK_D)
+    values = _load_rows(V, cols, num_keys, VALUE_DIM, BLOCK_DV)
+    sq_keys = tl.load(SqNorms + cols, mask=cols < num_keys, other=0.0)
 
     grad_k = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     grad_v = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
-    start_m = 0
-    if IS_CAUSAL:  # queries before key position pid_n * BLOCK_N - offset never see this block
-        start_m = tl.maximum(pid_n * BLOCK_N - offset, 0) // BLOCK_M * BLOCK_M
-    for start in range(start_m, num_queries, BLOCK_M):
-        rows = start + tl.arange(0, BLOCK_M)
-        row_in = rows < num_queries
-        q = _load_tile(Q, rows, num_queries, stride_qn, dims, HEAD_DIM, stride_qd)
-        v_query = _load_tile(V, rows + offset, num_keys, stride_vn, vdims, VALUE_DIM, stride_vd)
-        grad_out = _load_tile(GradOut, rows, num_queries, stride_gn, vdims, VALUE_DIM, stride_gd)
-        lse = tl.load(Lse + stats + rows, mask=row_in, other=float("inf"))
-        delta = tl.load(Delta + stats + rows, mask=row_in, other=0.0)
-        own_dot = tl.load(OwnDot + stats + rows, mask=row_in, other=0.0)
-        # (keys, queries) tiles
-        weights, grad_scores, grad_dist = _tile_grads(
-            q, k, v_query, values, _squared_norms(v_query), sq_keys, grad_out, lse, delta, own_dot, rows, cols,
-            key_keep_row, num_queries, num_keys, scale, exponent, eps, IS_CAUSAL, HAS_KEY_MASK, EULER, 1,
+    grad_dist_sum = tl.zeros([BLOCK_N], tl.float32)
+    plain, masked = _query_loop_bounds(pid_n, num_queries, num_keys, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_KEY_MASK)
+    for index in range(0, plain[0]):
+        grad_k, grad_v, grad_dist_sum = _dkdv_tile(
+            grad_k, grad_v, grad_dist_sum, k, values, sq_keys, cols, _tile_start(index, plain, BLOCK_M), slab, Q, V,
+            SqNorms, GradOut, Lse, Delta, OwnDot, key_keep_row, num_queries, num_keys, scale_log2, exponent, eps,
+            HEAD_DIM, VALUE_DIM, BLOCK_D, BLOCK_DV, BLOCK_M, POWER, False, IS_CAUSAL, HAS_KEY_MASK, EULER,
         )  # fmt: skip
-        grad_v += tl.dot(weights.to(grad_out.dtype), grad_out, input_precision=FLOAT32_DOT)
-        grad_k += tl.dot(grad_scores.to(q.dtype), q, input_precision=FLOAT32_DOT)
-        # Key side of the distances: dv_y += 2 sum_x dL/dD2 (v_y - v_x).
-        grad_v += tl.sum(grad_dist, 1)[:, None] * values.to(tl.float32)
-        grad_v = _exact_dot(-grad_dist, v_query, grad_v)
+    for index in range(0, masked[0]):
+        grad_k, grad_v, grad_dist_sum = _dkdv_tile(
+            grad_k, grad_v, grad_dist_sum, k, values, sq_keys, cols, _tile_start(index, masked, BLOCK_M), slab, Q,
+            V, SqNorms, GradOut, Lse, Delta, OwnDot, key_keep_row, num_queries, num_keys, scale_log2, exponent, eps,
+            HEAD_DIM, VALUE_DIM, BLOCK_D, BLOCK_DV, BLOCK_M, POWER, True, IS_CAUSAL, HAS_KEY_MASK, EULER,
+        )  # fmt: skip
 
-    tl.store(_tile_ptrs(GradK, cols, dims, stride_dkn, stride_dkd), grad_k * scale,
-             mask=_tile_mask(cols, num_keys, dims, HEAD_DIM))  # fmt: skip
-    tl.store(_tile_ptrs(GradV, cols, vdims, stride_dvn, stride_dvd), grad_v,
-             mask=_tile_mask(cols, num_keys, vdims, VALUE_DIM))  # fmt: skip
+    grad_v += grad_dist_sum[:, None] * values.to(tl.float32)
+    _store_rows(GradK + slab * num_keys * HEAD_DIM, cols, num_keys, grad_k * (scale_log2 * LN_2), HEAD_DIM, BLOCK_D)
+    _store_rows(GradV + slab * num_keys * VALUE_DIM, cols, num_keys, grad_v, VALUE_DIM, BLOCK_DV)
+
+
+@jit
+def _dq_tile(grad_q, grad_v_own, grad_dist_sum, q, v_query, sq_query_eps, grad_out, lse, delta, own_dot, rows,
+             start, K, V, SqNorms, key_keep_row, num_queries, num_keys, scale_log2, exponent, eps,
+             HEAD_DIM: constexpr, VALUE_DIM: constexpr, BLOCK_D: constexpr, BLOCK_DV: constexpr,
+             BLOCK_N: constexpr, POWER: constexpr, MASKED: constexpr, IS_CAUSAL: constexpr,
+             HAS_KEY_MASK: constexpr, EULER: constexpr):  # fmt: skip
+    cols = start + tl.arange(0, BLOCK_N)
+    k = _load_rows(K, cols, num_keys, HEAD_DIM, BLOCK_D)
+    values = _load_rows(V, cols, num_keys, VALUE_DIM, BLOCK_DV)
+    sq_keys = tl.load(SqNorms + cols, mask=cols < num_keys, other=0.0)
+    weights, grad_scores, grad_dist = _tile_grads(
+        q, k, v_query, values, sq_query_eps, sq_keys, grad_out, lse, delta, own_dot, rows, cols, key_keep_row,
+        num_queries, num_keys, scale_log2, exponent, eps, POWER, MASKED, IS_CAUSAL, HAS_KEY_MASK, EULER, 0,
+    )  # fmt: skip
+    grad_q += tl.dot(grad_scores.to(k.dtype), k, input_precision=FLOAT32_DOT)
+    grad_v_own = _exact_dot(-grad_dist, values, grad_v_own)
+    grad_dist_sum += tl.sum(grad_dist, 1)
+    return grad_q, grad_v_own, grad_dist_sum
 
 
 @jit
 def _plap_bwd_dq_kernel(
-    Q, K, V, GradOut, Lse, Delta, OwnDot, OwnWeight, Exponent, KeyKeep, GradQ, GradV,
-    stride_qb, stride_qh, stride_qn, stride_qd,
-    stride_kb, stride_kh, stride_kn, stride_kd,
-    stride_vb, stride_vh, stride_vn, stride_vd,
-    stride_gb, stride_gh, stride_gn, stride_gd,
-    stride_keep_b,
-    stride_dqb, stride_dqh, stride_dqn, stride_dqd,
-    stride_dvb, stride_dvh, stride_dvn, stride_dvd,
-    num_heads, num_queries, num_keys, scale, eps,
-    HEAD_DIM: constexpr, VALUE_DIM: constexpr, BLOCK_D: constexpr, BLOCK_DV: constexpr,
-    BLOCK_M: constexpr, BLOCK_N: constexpr, IS_CAUSAL: constexpr, HAS_KEY_MASK: constexpr, EULER: constexpr,
+    Q, K, V, SqNorms, KeyKeep, GradOut, Lse, Delta, OwnDot, OwnWeight, GradQ, GradV,
+    head_start, run_heads, num_heads, num_queries, num_keys, scale_log2, exponent, eps,
+    HEAD_DIM: constexpr, VALUE_DIM: constexpr, BLOCK_D: constexpr, BLOCK_DV: constexpr, BLOCK_M: constexpr,
+    BLOCK_N: constexpr, POWER: constexpr, IS_CAUSAL: constexpr, HAS_KEY_MASK: constexpr, EULER: constexpr,
 ):  # fmt: skip
-    pid_m, pid_bh = _program_ids(num_queries, BLOCK_M)
-    batch, head = pid_bh // num_heads, pid_bh % num_heads
+    pid_m, slab = _program_ids(num_queries, head_start, run_heads, num_heads, BLOCK_M)
     offset = num_keys - num_queries
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    dims, vdims = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV)
-    Q = _slab(Q, batch, head, stride_qb, stride_qh)
-    K = _slab(K, batch, head, stride_kb, stride_kh)
-    V = _slab(V, batch, head, stride_vb, stride_vh)
-    GradOut = _slab(GradOut, batch, head, stride_gb, stride_gh)
-    GradQ = _slab(GradQ, batch, head, stride_dqb, stride_dqh)
-    GradV = _slab(GradV, batch, head, stride_dvb, stride_dvh)
-    stats = pid_bh.to(tl.int64) * num_queries
-    key_keep_row = KeyKeep + batch.to(tl.int64) * stride_keep_b
-    row_in = rows < num_queries
-    q = _load_tile(Q, rows, num_queries, stride_qn, dims, HEAD_DIM, stride_qd)
-    v_query = _load_tile(V, rows + offset, num_keys, stride_vn, vdims, VALUE_DIM, stride_vd)
-    grad_out = _load_tile(GradOut, rows, num_queries, stride_gn, vdims, VALUE_DIM, stride_gd)
-    lse = tl.load(Lse + stats + rows, mask=row_in, other=float("inf"))
-    delta = tl.load(Delta + stats + rows, mask=row_in, other=0.0)
-    own_dot = tl.load(OwnDot + stats + rows, mask=row_in, other=0.0)
-    sq_query = _squared_norms(v_query)
-    exponent = tl.load(Exponent + head)
+    K += slab * num_keys * HEAD_DIM
+    V += slab * num_keys * VALUE_DIM
+    SqNorms += slab * num_keys
+    key_keep_row = KeyKeep + (slab // num_heads) * num_keys
+    q = _load_rows(Q + slab * num_queries * HEAD_DIM, rows, num_queries, HEAD_DIM, BLOCK_D)
+    v_query, sq_query_eps, grad_out, lse, delta, own_dot = _query_side(
+        slab, rows, V, SqNorms, GradOut, Lse, Delta, OwnDot, num_queries, num_keys, eps, VALUE_DIM, BLOCK_DV
+    )
 
     grad_q = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     grad_v_own = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)  # query side of the distances
-    grad_dist_rowsum = tl.zeros([BLOCK_M], tl.float32)
-    end = num_keys
-    if IS_CAUSAL:
-        end = tl.minimum(num_keys, offset + (pid_m + 1) * BLOCK_M)
-    for start in range(0, end, BLOCK_N):
-        cols = start + tl.arange(0, BLOCK_N)
-        k = _load_tile(K, cols, num_keys, stride_kn, dims, HEAD_DIM, stride_kd)
-        values = _load_tile(V, cols, num_keys, stride_vn, vdims, VALUE_DIM, stride_vd)
-        weights, grad_scores, grad_dist = _tile_grads(
-            q, k, v_query, values, sq_query, _squared_norms(values), grad_out, lse, delta, own_dot, rows, cols,
-            key_keep_row, num_queries, num_keys, scale, exponent, eps, IS_CAUSAL, HAS_KEY_MASK, EULER, 0,
+    grad_dist_sum = tl.zeros([BLOCK_M], tl.float32)
+    plain, masked = _key_loop_bounds(pid_m, num_queries, num_keys, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_KEY_MASK)
+    for index in range(0, plain[0]):
+        grad_q, grad_v_own, grad_dist_sum = _dq_tile(
+            grad_q, grad_v_own, grad_dist_sum, q, v_query, sq_query_eps, grad_out, lse, delta, own_dot, rows,
+            _tile_start(index, plain, BLOCK_N), K, V, SqNorms, key_keep_row, num_queries, num_keys, scale_log2,
+            exponent, eps, HEAD_DIM, VALUE_DIM, BLOCK_D, BLOCK_DV, BLOCK_N, POWER, False, IS_CAUSAL, HAS_KEY_MASK,
+            EULER,
         )  # fmt: skip
-        grad_q += tl.dot(grad_scores.to(k.dtype), k, input_precision=FLOAT32_DOT)
-        grad_v_own = _exact_dot(-grad_dist, values, grad_v_own)
-        grad_dist_rowsum += tl.sum(grad_dist, 1)
+    for index in range(0, masked[0]):
+        grad_q, grad_v_own, grad_dist_sum = _dq_tile(
+            grad_q, grad_v_own, grad_dist_sum, q, v_query, sq_query_eps, grad_out, lse, delta, own_dot, rows,
+            _tile_start(index, masked, BLOCK_N), K, V, SqNorms, key_keep_row, num_queries, num_keys, scale_log2,
+            exponent, eps, HEAD_DIM, VALUE_DIM, BLOCK_D, BLOCK_DV, BLOCK_N, POWER, True, IS_CAUSAL, HAS_KEY_MASK,
+            EULER,
+        )  # fmt: skip
 
-    tl.store(_tile_ptrs(GradQ, rows, dims, stride_dqn, stride_dqd), grad_q * scale,
-             mask=_tile_mask(rows, num_queries, dims, HEAD_DIM))  # fmt: skip
+    _store_rows(GradQ + slab * num_queries * HEAD_DIM, rows, num_queries, grad_q * (scale_log2 * LN_2), HEAD_DIM,
+                BLOCK_D)  # fmt: skip
     # dv_x += 2 sum_y dL/dD2 (v_x - v_y), plus for euler the direct dU_x (1 - rowsum W_off).
-    grad_v_own += grad_dist_rowsum[:, None] * v_query.to(tl.float32)
+    grad_v_own += grad_dist_sum[:, None] * v_query.to(tl.float32)
+    row_in = rows < num_queries
     if EULER:
-        own_weight = tl.load(OwnWeight + stats + rows, mask=row_in, other=0.0)
+        own_weight = tl.load(OwnWeight + slab * num_queries + rows, mask=row_in, other=0.0)
         grad_v_own += own_weight[:, None] * grad_out.to(tl.float32)
     # The dkdv kernel, launched before, wrote these rows; each program here owns its own rows.
-    grad_v_ptrs = _tile_ptrs(GradV, rows + offset, vdims, stride_dvn, stride_dvd)
-    vmask = _tile_mask(rows, num_queries, vdims, VALUE_DIM)
+    grad_v_ptrs, col_in = _row_ptrs(GradV + slab * num_keys * VALUE_DIM, rows + offset, VALUE_DIM, BLOCK_DV)
+    vmask = row_in[:, None] & col_in
     tl.store(grad_v_ptrs, tl.load(grad_v_ptrs, mask=vmask, other=0.0) + grad_v_own, mask=vmask)
-
-
-# Under the interpreter triton.jit returns interpreted functions instead of JITFunctions.
-INTERPRETED = triton is not None and not isinstance(_plap_fwd_kernel, triton.runtime.JITFunction)
 
 
 class Launch(NamedTuple):
@@ -569,63 +727,55 @@ class Launch(NamedTuple):
     meta: dict
 
 
-def _meta(query, value, config, is_causal, has_key_mask, euler):
-    """Compile-time arguments of a kernel with this KernelConfig."""
-    return dict(
-        HEAD_DIM=query.shape[-1],
-        VALUE_DIM=value.shape[-1],
-        BLOCK_D=padded_head_size(query.shape[-1]),
-        BLOCK_DV=padded_head_size(value.shape[-1]),
-        BLOCK_M=config.block_m,
-        BLOCK_N=config.block_n,
-        IS_CAUSAL=is_causal,
-        HAS_KEY_MASK=has_key_mask,
-        EULER=euler,
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
-    )
+def head_runs(p):
+    """(first head, end, p) of each run of consecutive heads with equal p: one launch per run, so that the
+    exponent and its class are per-launch constants."""
+    runs = []
+    for head, value in enumerate(p):
+        if runs and runs[-1][2] == value:
+            runs[-1][1] = head + 1
+        else:
+            runs.append([head, head + 1, value])
+    return [tuple(run) for run in runs]
 
 
-def forward_launch(query, key, value, out, lse, own_weight, exponent, key_keep, is_causal, eps, euler, config):
-    """The forward launch; ``key_keep`` is the (B, Nk) int8 padding mask or None."""
-    batch, heads, num_queries, _ = query.shape
-    has_key_mask = key_keep is not None
-    key_keep = key_keep if has_key_mask else exponent  # any pointer; never read without the mask
-    args = (
-        query, key, value, out, lse, own_weight, exponent, key_keep,
-        *query.stride(), *key.stride(), *value.stride(), *out.stride(), key_keep.stride(0),
-        heads, num_queries, key.shape[2], 1 / math.sqrt(query.shape[-1]), eps,
-    )  # fmt: skip
-    grid = (triton.cdiv(num_queries, config.fwd.block_m) * batch * heads,)
-    return Launch(_plap_fwd_kernel, grid, args, _meta(query, value, config.fwd, is_causal, has_key_mask, euler))
+def _launches(kernel, config, rows, query, key, value, tensors, p, is_causal, has_key_mask, euler, eps):
+    """One launch of ``kernel`` per run of heads; ``rows`` is the length of the side its blocks tile."""
+    batch, heads, num_queries, head_dim = query.shape
+    num_keys, value_dim = key.shape[2], value.shape[-1]
+    block = config.block_n if kernel is _plap_bwd_dkdv_kernel else config.block_m
+    launches = []
+    for first, end, run_p in head_runs(p):
+        meta = dict(HEAD_DIM=head_dim, VALUE_DIM=value_dim, BLOCK_D=padded_head_size(head_dim),
+                    BLOCK_DV=padded_head_size(value_dim), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+                    POWER=POWER_CLASSES.get(run_p, 0), IS_CAUSAL=is_causal, HAS_KEY_MASK=has_key_mask,
+                    EULER=euler, num_warps=config.num_warps, num_stages=config.num_stages)  # fmt: skip
+        sizes = (first, end - first, heads, num_queries, num_keys, LOG2_E / math.sqrt(head_dim), (run_p - 2) / 2, eps)
+        grid = (triton.cdiv(rows, block) * batch * (end - first),)
+        launches.append(Launch(kernel, grid, (*tensors, *sizes), meta))
+    return launches
+
+
+def forward_launches(query, key, value, sq_norms, key_keep, out, lse, own_weight, p, is_causal, eps, euler, config):
+    """The forward launches of contiguous inputs; ``key_keep`` is the (B, Nk) int8 padding mask or None,
+    ``sq_norms`` the (B, H, Nk) float32 squared norms of the values."""
+    tensors = (query, key, value, sq_norms, sq_norms if key_keep is None else key_keep, out, lse, own_weight)
+    return _launches(_plap_fwd_kernel, config.fwd, query.shape[2], query, key, value, tensors, p, is_causal,
+                     key_keep is not None, euler, eps)  # fmt: skip
 
 
 def backward_launches(
-    query, key, value, grad_out, lse, delta, own_dot, own_weight, exponent, key_keep, grad_q, grad_k, grad_v,
+    query, key, value, sq_norms, key_keep, grad_out, lse, delta, own_dot, own_weight, grad_q, grad_k, grad_v, p,
     is_causal, eps, euler, config,
 ):  # fmt: skip
-    """The dk/dv launch, then the dq launch (which adds to the dv rows of each query's own value)."""
-    batch, heads, num_queries, _ = query.shape
-    num_keys = key.shape[2]
-    has_key_mask = key_keep is not None
-    key_keep = key_keep if has_key_mask else exponent
-    inputs = (*query.stride(), *key.stride(), *value.stride(), *grad_out.stride(), key_keep.stride(0))
-    sizes = (heads, num_queries, num_keys, 1 / math.sqrt(query.shape[-1]), eps)
-    dkdv = Launch(
-        _plap_bwd_dkdv_kernel,
-        (triton.cdiv(num_keys, config.dkdv.block_n) * batch * heads,),
-        (query, key, value, grad_out, lse, delta, own_dot, exponent, key_keep, grad_k, grad_v,
-         *inputs, *grad_k.stride(), *grad_v.stride(), *sizes),
-        _meta(query, value, config.dkdv, is_causal, has_key_mask, euler),
-    )  # fmt: skip
-    dq = Launch(
-        _plap_bwd_dq_kernel,
-        (triton.cdiv(num_queries, config.dq.block_m) * batch * heads,),
-        (query, key, value, grad_out, lse, delta, own_dot, own_weight, exponent, key_keep, grad_q, grad_v,
-         *inputs, *grad_q.stride(), *grad_v.stride(), *sizes),
-        _meta(query, value, config.dq, is_causal, has_key_mask, euler),
-    )  # fmt: skip
-    return dkdv, dq
+    """The dk/dv launches, then the dq launches (which add to the dv rows of each query's own value)."""
+    inputs = (query, key, value, sq_norms, sq_norms if key_keep is None else key_keep, grad_out, lse, delta, own_dot)
+    flags = (p, is_causal, key_keep is not None, euler, eps)
+    dkdv = _launches(_plap_bwd_dkdv_kernel, config.dkdv, key.shape[2], query, key, value, (*inputs, grad_k, grad_v),
+                     *flags)  # fmt: skip
+    dq = _launches(_plap_bwd_dq_kernel, config.dq, query.shape[2], query, key, value,
+                   (*inputs, own_weight, grad_q, grad_v), *flags)  # fmt: skip
+    return dkdv + dq
 
 
 def _run(launch, query, value):
@@ -647,26 +797,26 @@ def _run(launch, query, value):
 
 class _PlapAttentionTriton(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, query, key, value, exponent, key_keep, is_causal, eps, euler, config):
+    def forward(ctx, query, key, value, key_keep, p, is_causal, eps, euler, config):
         batch, heads, num_queries, _ = query.shape
         out = query.new_empty(batch, heads, num_queries, value.shape[-1])  # (B, H, Nq, dv)
         lse = torch.empty(batch, heads, num_queries, device=query.device, dtype=torch.float32)
         own_weight = torch.empty_like(lse) if euler else lse  # written by euler only
-        launch = forward_launch(
-            query, key, value, out, lse, own_weight, exponent, key_keep, is_causal, eps, euler, config
-        )
-        _run(launch, query, value)
-        ctx.save_for_backward(query, key, value, out, lse, own_weight, exponent, key_keep)
-        ctx.args = (is_causal, eps, euler, config)
+        sq_norms = value.float().square().sum(-1)  # (B, H, Nk)
+        for launch in forward_launches(
+            query, key, value, sq_norms, key_keep, out, lse, own_weight, p, is_causal, eps, euler, config
+        ):  # fmt: skip
+            _run(launch, query, value)
+        ctx.save_for_backward(query, key, value, sq_norms, key_keep, out, lse, own_weight)
+        ctx.args = (p, is_causal, eps, euler, config)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        query, key, value, out, lse, own_weight, exponent, key_keep = ctx.saved_tensors
-        is_causal, eps, euler, config = ctx.args
+        query, key, value, sq_norms, key_keep, out, lse, own_weight = ctx.saved_tensors
+        p, is_causal, eps, euler, config = ctx.args
         num_queries, num_keys = query.shape[2], key.shape[2]
-        if _slab_extent(grad_out) > MAX_OFFSET:  # only an exotic layout could; contiguous fits
-            grad_out = grad_out.contiguous()
+        grad_out = grad_out.contiguous()
         grad_f32 = grad_out.float()
         # FlashAttention's D = rowsum(dU * U); euler subtracts the own-value part dU . v_x.
         own_dot = (grad_f32 * value[:, :, num_keys - num_queries :].float()).sum(-1)  # (B, H, Nq)
@@ -675,8 +825,8 @@ class _PlapAttentionTriton(torch.autograd.Function):
         grad_k = torch.empty(key.shape, device=query.device, dtype=torch.float32)
         grad_v = torch.empty(value.shape, device=query.device, dtype=torch.float32)
         for launch in backward_launches(
-            query, key, value, grad_out, lse, delta, own_dot, own_weight, exponent, key_keep, grad_q, grad_k,
-            grad_v, is_causal, eps, euler, config,
+            query, key, value, sq_norms, key_keep, grad_out, lse, delta, own_dot, own_weight, grad_q, grad_k,
+            grad_v, p, is_causal, eps, euler, config,
         ):  # fmt: skip
             _run(launch, query, value)
         grads = (grad_q.to(query.dtype), grad_k.to(key.dtype), grad_v.to(value.dtype))
@@ -686,15 +836,19 @@ class _PlapAttentionTriton(torch.autograd.Function):
 def plap_attention_triton(
     query, key, value, *, p, attn_mask=None, is_causal=False, document_ids=None, eps=1e-6, formulation="paper",
     blocks=None, config=None,
-):
+):  # fmt: skip
     """p-Laplacian attention with fused kernels; arguments as ``plap_attention`` (inputs checked there).
 
-    ``p`` is an (H,) tensor and gets no gradient; its float16 limit (``FLOAT16_MAX_P``) is checked by
-    ``plap_attention``'s dispatcher, which keeps p's host copy. ``attn_mask`` must be a key-padding mask (see
+    ``p`` is a tuple of floats, one per head (static: each run of equal p is one launch, p = 1.5 and 2.5
+    with specialised powers); no gradient for p. ``attn_mask`` must be a key-padding mask (see
     ``triton_unsupported_reason``). ``config`` (a LaunchConfig) overrides the one of the GPU, and ``blocks`` =
     (BLOCK_M, BLOCK_N) the tile sizes of all three kernels (tests cross tile borders with them).
     """
-    reason = triton_unsupported_reason(query, key, value, p=p, attn_mask=attn_mask, document_ids=document_ids)
+    p = tuple(float(value) for value in p)
+    if len(p) != query.shape[1]:
+        raise ValueError(f"p has {len(p)} values for {query.shape[1]} heads")
+    reason = triton_unsupported_reason(query, key, value, p=p, attn_mask=attn_mask, document_ids=document_ids,
+                                       formulation=formulation)  # fmt: skip
     if reason is not None:
         raise ValueError(f"the Triton backend cannot run this input: {reason}")
     if config is None and query.device.type == "cuda":
@@ -709,7 +863,5 @@ def plap_attention_triton(
         batch, num_keys = query.shape[0], key.shape[2]
         key_keep = attn_mask.reshape(_key_padding_shape(attn_mask)).expand(batch, num_keys)
         key_keep = key_keep.to(torch.int8).contiguous()  # (B, Nk)
-    exponent = (torch.tensor(p, dtype=torch.float32, device=query.device) - 2) / 2  # (H,)
-    return _PlapAttentionTriton.apply(
-        query, key, value, exponent, key_keep, is_causal, eps, formulation == "euler", config
-    )
+    query, key, value = (tensor.contiguous() for tensor in (query, key, value))  # offsets follow from shapes
+    return _PlapAttentionTriton.apply(query, key, value, key_keep, p, is_causal, eps, formulation == "euler", config)

@@ -88,8 +88,13 @@ def chosen(backend, query, key=None, value=None, p=None, **kwargs):
     return choose_backend(backend, query, key, value, p=p, **kwargs).name
 
 
-def triton_small_blocks(query, key, value, p, **kwargs):
-    return triton_module.plap_attention_triton(query, key, value, p=tuple(p.tolist()), **kwargs, blocks=(16, 16))
+def run_triton(query, key, value, p, **kwargs):
+    """The Triton backend called as the dispatcher calls it: p as a tuple of floats."""
+    return triton_module.plap_attention_triton(query, key, value, p=tuple(p.tolist()), **kwargs)
+
+
+def triton_small_blocks(*args, **kwargs):
+    return run_triton(*args, **kwargs, blocks=(16, 16))
 
 
 # (B, H, Nq, Nk, d, dv): square and awkward; Nq < Nk (a KV cache, bottom-right aligned); a few queries; one.
@@ -314,4 +319,4 @@ def test_triton_module_imports_without_triton(monkeypatch):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     assert module.triton is None
-    assert "not installed" in module.triton_unsupported_reason(torch.zeros(1, 1, 2, 2))
+    assert "not installed" in module.triton_unsupported_reason(*[torch.zeros(1, 1, 2, 2)] * 3, p=(1.5,))

@@ -13,7 +13,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from modeling_plat import plap_attention_triton as triton_module
-from modeling_plat.plap_attention import plap_attention, resolve_backend
+from modeling_plat.plap_attention import choose_backend, plap_attention
 from test_triton_compile import DEFAULT_CASES
 
 pytestmark = pytest.mark.skipif(triton_module.triton is None, reason="triton is not installed")
@@ -56,8 +56,10 @@ def compiled_configurations():
     }  # fmt: skip
 
 
-def choose(q, k, v, mask, backend="auto"):
-    return resolve_backend(backend, q, k, mask, p=None, value=v)
+def choose(q, k, v, mask, backend="auto", p=None):
+    """The backend the dispatcher picks (p defaults to the paper's p < 2 on every head)."""
+    p = (1.5,) * q.shape[1] if p is None else tuple(p.tolist())
+    return choose_backend(backend, q, k, v, p=p, attn_mask=mask).name
 
 
 @pytest.mark.parametrize("capability", CAPABILITIES, ids=lambda c: f"sm{c[0]}{c[1]}")
@@ -67,7 +69,7 @@ def test_auto_picks_triton_only_where_compiled(gpu, capability):
     with gpu(capability):
         for dtype, head_dim, ratio, mask in itertools.product(DTYPES, HEAD_DIMS, (1, 2), (None, "padding", "full")):
             q, k, v, attn_mask = cuda_inputs(head_dim=head_dim, value_dim=head_dim * ratio, dtype=dtype, mask=mask)
-            reason = triton_module.triton_unsupported_reason(q, k, v, attn_mask)
+            reason = triton_module.triton_unsupported_reason(q, k, v, p=(1.5,), attn_mask=attn_mask)
             choice = choose(q, k, v, attn_mask)
             choices.add(choice)
             assert (choice == "triton") == (reason is None), (dtype, head_dim, mask, reason)
@@ -101,7 +103,7 @@ def test_mismatched_dtypes_go_to_tiled(gpu):
     with gpu((8, 0)):
         q, k, v, _ = cuda_inputs(dtype=torch.bfloat16)
         v = v.float()  # a KV cache kept in another dtype
-        assert "dtypes differ" in triton_module.triton_unsupported_reason(q, k, v)
+        assert "dtypes differ" in triton_module.triton_unsupported_reason(q, k, v, p=(1.5,))
         assert choose(q, k, v, None) == "tiled"
 
 
@@ -112,28 +114,28 @@ def test_many_heads_and_large_tensors_are_fine(gpu):
         assert choose(*cuda_inputs(batch=700, heads=100, nq=64, nk=64)) == "triton"
         assert choose(*cuda_inputs(batch=64, heads=16, nq=16384, nk=16384, head_dim=128)) == "triton"  # 2^31 elements
         q, k, v, _ = cuda_inputs(batch=1, heads=1, nq=16, nk=2**24 + 16, head_dim=128)
-        assert "int32 offsets would overflow" in triton_module.triton_unsupported_reason(q, k, v)
-        # (B, N, H, d) projections viewed as (B, H, N, d): one head's rows are H * d apart.
+        assert "int32 offsets would overflow" in triton_module.triton_unsupported_reason(q, k, v, p=(1.5,))
+        # (B, N, H, d) projections viewed as (B, H, N, d): the kernels take contiguous copies of one head each.
         projected = torch.empty(1, 2**21, 32, 64, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
-        assert choose(projected, projected, projected, None) == "tiled"
+        assert choose(projected, projected, projected, None) == "triton"
 
 
 def test_float16_with_large_p_goes_to_tiled(gpu):
     """Above FLOAT16_MAX_P the weights can overflow float16 in the kernels' matmuls: auto takes tiled (float32
-    inside); bfloat16, and float16 at the paper's p, stay on triton. Under torch.compile p is not read."""
+    inside); bfloat16, and float16 at the paper's p, stay on triton."""
     mix, large = torch.tensor([1.5, 1.5, 2.5, 2.5]), torch.tensor([1.5, 4.0, 2.0, 2.5])
     with gpu((9, 0)):
         q, k, v, _ = cuda_inputs(dtype=torch.float16)
-        assert resolve_backend("auto", q, k, None, mix, v) == "triton"
-        assert resolve_backend("auto", q, k, None, large, v) == "tiled"
+        assert choose(q, k, v, None, p=mix) == "triton"
+        assert choose(q, k, v, None, p=large) == "tiled"
         with pytest.raises(ValueError, match="float16 with p = 4: above p = 3 .*use bfloat16"):
-            resolve_backend("triton", q, k, None, large, v)
+            choose(q, k, v, None, "triton", p=large)
         q, k, v, _ = cuda_inputs(dtype=torch.bfloat16)
-        assert resolve_backend("auto", q, k, None, large, v) == "triton"
+        assert choose(q, k, v, None, p=large) == "triton"
 
 
 @pytest.mark.skipif(not triton_module.INTERPRETED, reason="launches the kernels under the interpreter")
-def test_the_float16_limit_on_p_is_real():
+def test_the_float16_limit_on_p_is_real(monkeypatch):
     """p = 5, uniform attention over 127 equal values and one at distance 45: P = 45^3 = 91,125 passes float16's
     65,504 inside the kernels although every output (at most 91,125 * 45 / 128) fits."""
     q = torch.zeros(1, 1, 128, 16, dtype=torch.float16)
@@ -142,7 +144,9 @@ def test_the_float16_limit_on_p_is_real():
     p = torch.tensor([5.0])
     reference = plap_attention(q.double(), q.double(), v.double(), p, backend="eager")
     assert reference.abs().max() < torch.finfo(torch.float16).max
-    assert not torch.isfinite(triton_module.plap_attention_triton(q, q, v, p)).all()
+    with monkeypatch.context() as unchecked:
+        unchecked.setattr(triton_module, "FLOAT16_MAX_P", float("inf"))
+        assert not torch.isfinite(triton_module.plap_attention_triton(q, q, v, p=(5.0,))).all()
     torch.testing.assert_close(plap_attention(q, q, v, p, backend="tiled").double(), reference, rtol=2e-3, atol=1e-3)
     with pytest.raises(ValueError, match="float16 with p = 5"):
         plap_attention(q, q, v, p, backend="triton")
@@ -173,7 +177,7 @@ def test_a_launch_failure_names_the_configuration(monkeypatch):
     monkeypatch.setattr(triton_module, "_plap_fwd_kernel", FailingKernel())
     q = torch.zeros(1, 2, 8, 16, dtype=torch.float16)
     with pytest.raises(RuntimeError) as failure:
-        triton_module.plap_attention_triton(q, q, q, torch.full((2,), 1.5))
+        triton_module.plap_attention_triton(q, q, q, p=(1.5, 1.5))
     message = str(failure.value)
     for part in ("_plap_fwd_kernel", "torch.float16", "head sizes 16/16", "the Triton interpreter",
                  f"triton {triton_module.triton.__version__}", "out of resource: shared memory",

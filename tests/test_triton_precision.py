@@ -13,7 +13,7 @@ import torch
 from modeling_plat import plap_attention_triton as triton_module
 from modeling_plat.plap_attention_tiled import plap_attention_tiled
 from reference import reference_plap_attention
-from test_backends import check, make_inputs, make_mask, relative_error
+from test_backends import check, make_inputs, make_mask, relative_error, run_triton
 from tf32 import round_tf32
 
 pytestmark = pytest.mark.skipif(
@@ -58,7 +58,7 @@ def gpu_dots(monkeypatch):
 
 
 def run_kernels(*args, **kwargs):
-    return triton_module.plap_attention_triton(*args, **kwargs, blocks=(16, 16))
+    return run_triton(*args, **kwargs, blocks=(16, 16))
 
 
 @pytest.mark.parametrize("formulation", ["paper", "euler"])
@@ -94,7 +94,10 @@ def test_distance_gradient_stays_at_float32_floor(gpu_dots, monkeypatch, dtype):
     """The distance-gradient matmuls (float32 Gd against half-precision values) split Gd into TF32 parts.
     Measured dV errors, bfloat16 / float16: tiled backend in float32 (the floor of the float32 distance
     expansion) 8.0e-2 / 6.8e-2; kernels 6.4e-2 / 1.5e-1; the same matmuls in plain TF32 1.3e2 / 1.1e2."""
-    floor = value_gradient_error(lambda q, k, v, p: plap_attention_tiled(q.float(), k.float(), v.float(), p), dtype)
+    def tiled_float32(q, k, v, p):
+        return plap_attention_tiled(q.float(), k.float(), v.float(), p=tuple(p.tolist()))
+
+    floor = value_gradient_error(tiled_float32, dtype)
     kernels = value_gradient_error(run_kernels, dtype)
     monkeypatch.setattr(triton_module, "_exact_dot", plain_tf32_dot)
     plain_tf32 = value_gradient_error(run_kernels, dtype)
@@ -129,5 +132,35 @@ def test_gpu_launch_configurations(dtype, head_dim, config):
     outputs and gradients with those blocks, across tile borders, Nq < Nk, causal and padded."""
     shape = (1, 2, 150, 170, head_dim, head_dim)
     inputs, p = make_inputs(*shape, dtype)
-    run = lambda *args, **kwargs: triton_module.plap_attention_triton(*args, **kwargs, config=config)  # noqa: E731
+    run = lambda *args, **kwargs: run_triton(*args, **kwargs, config=config)  # noqa: E731
     check(run, inputs, p, dtype, attn_mask=make_mask("padding", *shape[:4]), is_causal=True, formulation="euler")
+
+
+def perturbed(function, relative=0.0, absolute=0.0):
+    """``function`` with errors of the given size and a pseudo-random sign, larger than the GPU's approximate
+    instructions have (ex2/lg2/sqrt/rsqrt.approx.f32: relative ~2^-22, lg2 absolute ~2^-22)."""
+    signs = np.random.default_rng(0)
+
+    def approximate(self, arg):
+        exact = function(arg.data)
+        noise = signs.choice(np.array([-1.0, 1.0], dtype=exact.dtype), size=exact.shape)
+        return interpreter.TensorHandle((exact * (1 + noise * relative) + noise * absolute).astype(exact.dtype),
+                                        arg.dtype.scalar)  # fmt: skip
+
+    return approximate
+
+
+@pytest.mark.parametrize("formulation", ["paper", "euler"])
+def test_approximate_special_functions_keep_float32_accuracy(gpu_dots, monkeypatch, formulation):
+    """The kernels' exp2, log2, sqrt and rsqrt are the hardware's approximate ones on a GPU (the interpreter
+    computes them exactly): with every result off by 2^-21 the outputs and gradients of every class of the
+    power (p = 1.5, 2.5 and others, P_MIX) stay within the float32 tolerance of the float64 reference."""
+    builder = interpreter.InterpreterBuilder
+    monkeypatch.setattr(builder, "create_exp2", perturbed(np.exp2, relative=2**-21))
+    monkeypatch.setattr(builder, "create_log2", perturbed(np.log2, absolute=2**-21))
+    monkeypatch.setattr(builder, "create_sqrt", perturbed(np.sqrt, relative=2**-21))
+    monkeypatch.setattr(builder, "create_rsqrt", perturbed(lambda x: 1 / np.sqrt(x), relative=2**-21))
+    shape = (2, 5, 17, 33, 16, 24)
+    inputs, p = make_inputs(*shape, torch.float32)
+    check(run_kernels, inputs, p, torch.float32, attn_mask=make_mask("padding", *shape[:4]), is_causal=True,
+          formulation=formulation)  # fmt: skip

@@ -31,18 +31,21 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 KERNELS = ("fwd", "dkdv", "dq")
+DEFAULT_P = 1.5  # the paper's p < 2; p = 2.5 and any other p compile other powers
 
 
 def case_id(case):
     flags = "".join(name for name, on in (("causal-", case["is_causal"]), ("padding-", case["key_mask"])) if on)
     return (
         f"sm{case['arch']}-{case['dtype']}-d{case['head_dim']}-dv{case['value_dim']}-{flags}"
-        f"{'euler' if case['euler'] else 'paper'}-nq{case['num_queries']}-nk{case['num_keys']}"
+        f"{'euler' if case['euler'] else 'paper'}-p{case.get('p', DEFAULT_P)}-nq{case['num_queries']}"
+        f"-nk{case['num_keys']}"
     )
 
 
-def _launches(triton_module, case):
-    """The (name, Launch) of the three kernels for a case, on CPU tensors shaped as a small real input."""
+def launches(triton_module, case):
+    """The (name, Launch) of the three kernels for a case, on CPU tensors shaped as a small real input: three
+    heads sharing the case's p (one launch per kernel)."""
     batch, heads = 2, 3
     dtype = DTYPES[case["dtype"]]
     nq, nk, d, dv = case["num_queries"], case["num_keys"], case["head_dim"], case["value_dim"]
@@ -51,14 +54,14 @@ def _launches(triton_module, case):
     value = torch.zeros(batch, heads, nk, dv, dtype=dtype)
     out = torch.zeros(batch, heads, nq, dv, dtype=dtype)
     stats = torch.zeros(batch, heads, nq)  # lse, own weight, delta, own dot
-    exponent = torch.zeros(heads)
+    sq_norms = torch.zeros(batch, heads, nk)
     key_keep = torch.ones(batch, nk, dtype=torch.int8) if case["key_mask"] else None
     grads = [torch.zeros(t.shape) for t in (query, key, value)]
     config = triton_module.launch_config(dtype, d, dv, (case["arch"] // 10, case["arch"] % 10))
-    flags = (case["is_causal"], 1e-6, case["euler"], config)
-    fwd = triton_module.forward_launch(query, key, value, out, stats, stats, exponent, key_keep, *flags)
+    flags = ((case.get("p", DEFAULT_P),) * heads, case["is_causal"], 1e-6, case["euler"], config)
+    (fwd,) = triton_module.forward_launches(query, key, value, sq_norms, key_keep, out, stats, stats, *flags)
     dkdv, dq = triton_module.backward_launches(
-        query, key, value, out, stats, stats, stats, stats, exponent, key_keep, *grads, *flags
+        query, key, value, sq_norms, key_keep, out, stats, stats, stats, stats, *grads, *flags
     )
     return zip(KERNELS, (fwd, dkdv, dq))
 
@@ -80,7 +83,7 @@ def _compile(launch, arch):
     return triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target, options=options.__dict__)
 
 
-def _ptxas_usage(log):
+def ptxas_usage(log):
     """Registers and spill bytes from the ``ptxas -v`` log that Triton prints with TRITON_DUMP_PTXAS_LOG=1."""
     registers = re.search(r"Used (\d+) registers", log)
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
@@ -91,17 +94,24 @@ def _ptxas_usage(log):
     )
 
 
+def compile_with_log(launch, arch):
+    """(compiled kernel, ptxas log): the log holds registers, spills and warnings when TRITON_DUMP_PTXAS_LOG=1
+    is set and the kernel is not found in Triton's cache."""
+    log = io.StringIO()
+    with contextlib.redirect_stdout(log):
+        compiled = _compile(launch, arch)
+    return compiled, log.getvalue()
+
+
 def compile_case(triton_module, case):
     """One result dict per kernel of the case."""
     results = []
-    for name, launch in _launches(triton_module, case):
+    for name, launch in launches(triton_module, case):
         result = dict(case=case_id(case), kernel=name, arch=case["arch"], meta=launch.meta)
         start = time.perf_counter()
-        log = io.StringIO()
         try:
-            with contextlib.redirect_stdout(log):
-                compiled = _compile(launch, case["arch"])
-            result.update(ok=True, shared=compiled.metadata.shared, **_ptxas_usage(log.getvalue()))
+            compiled, log = compile_with_log(launch, case["arch"])
+            result.update(ok=True, shared=compiled.metadata.shared, **ptxas_usage(log))
         except Exception as error:  # reported to the test, which fails on it
             message = f"{type(error).__name__}: {error}"
             result.update(ok=False, error=message[-4000:], trace=traceback.format_exc()[-4000:])

@@ -1,0 +1,297 @@
+"""A static cost model of the fused Triton kernels on NVIDIA GPUs, computed on a machine without one.
+
+    python benchmarks/gpu_static_cost.py [--quick] [--json results.json]
+
+Each kernel (forward, dK/dV, dQ) is compiled for sm_90 (H100) and sm_80 (A100) with the launch configuration
+that the Triton backend uses there (tests/triton_aot.py: Triton's compiler and the ptxas of its wheel), then
+disassembled with the wheel's ``cuobjdump -sass``. The main loop is the range of a backward branch, the
+shortest that holds a matmul (the loop of plain tiles where a kernel splits off the masked ones). Its
+instructions are counted per score, that is divided by the scores one thread handles per iteration
+(BLOCK_M * BLOCK_N / (32 * num_warps)), so that tiles that repeat work across warps count it.
+
+Estimated time per score (clocks of one SM) = the slowest of the pipes below, each at its published per-SM
+throughput (NVIDIA's H100 and A100 whitepapers: 4 schedulers, 16 SFUs, 128 / 64 FP32 lanes per SM; dense
+bf16/fp16 tensor rate 989 TFLOP/s over 132 SMs at 1.83 GHz, 312 TFLOP/s over 108 SMs at 1.41 GHz):
+
+- issue: 4 warp-instructions per clock (every instruction of the loop);
+- MUFU (special functions: EX2, LG2, RSQ, RCP, SQRT, ...): 16 per clock;
+- FP32 (FADD, FMUL, FFMA, FMNMX, FSETP, FSEL, ...): 128 per clock (sm_90), 64 (sm_80);
+- tensor cores: 4096 (sm_90) / 2048 (sm_80) bf16 or fp16 FLOP per clock, TF32 at half that rate.
+
+Memory (L2, shared-memory bandwidth) and latency are not modelled: the figure is a floor set by the
+instructions each score needs, meant for comparing kernels compiled the same way. The yardstick is a
+softmax-only FlashAttention-2-style forward (benchmarks/flash_baseline_kernel.py) compiled for the same
+architecture, dtype and head size; its backward is counted as 2.5 forwards. "paper mix" is the paper's heads:
+half with p = 1.5, half with p = 2.5 (the time per score is their mean).
+
+Needs Triton with its NVIDIA backend; TRITON_INTERPRET must not be set. A full sweep takes a few minutes.
+"""
+
+import argparse
+import collections
+import itertools
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(Path(__file__).resolve().parent)]
+os.environ["TRITON_DUMP_PTXAS_LOG"] = "1"  # ptxas' registers, spills and warnings, read by the compile log
+os.environ.setdefault("TRITON_CACHE_DIR", tempfile.mkdtemp(prefix="gpu-static-cost-"))  # a cache hit has no log
+
+import torch  # noqa: E402
+
+# Per-SM throughputs per clock, as in the module docstring.
+THROUGHPUT = {
+    90: dict(gpu="H100", issue=4, mufu=16, fp32=128, tensor=4096),
+    80: dict(gpu="A100", issue=4, mufu=16, fp32=64, tensor=2048),
+}
+FP32_OPS = {"FADD", "FMUL", "FFMA", "FMNMX", "FSETP", "FSEL", "FSET", "FCHK", "FSWZADD"}
+CONVERSIONS = {"F2F", "F2FP", "I2F", "F2I", "I2FP", "F2IP", "FRND"}
+SHARED_OPS = {"LDS", "STS", "LDSM", "STSM", "LDGSTS"}
+PAPER_MIX = (1.5, 2.5)
+KERNEL_ORDER = ("fwd", "dkdv", "dq", "baseline")
+INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)([.\w]*)\s*([^;]*);")
+
+
+def cuobjdump():
+    import triton
+
+    return Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+
+
+def disassemble(cubin):
+    """[(address, opcode, modifiers, operands)] of the cubin's one kernel."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as handle:
+        handle.write(cubin)
+        handle.flush()
+        sass = subprocess.run([cuobjdump(), "-sass", handle.name], check=True, capture_output=True, text=True)
+    return [(int(m[1], 16), m[3], m[4], m[5]) for m in INSTRUCTION.finditer(sass.stdout)]
+
+
+def main_loop(instructions):
+    """The instructions of the main loop: the shortest range from a backward branch's target to the branch that
+    holds a matmul. Kernels may split their loop in two, tiles that need masks (diagonal, padding, the last
+    partial tile) and plain tiles, the many; the plain loop is the shorter."""
+    loops = []
+    for address, opcode, _, operands in instructions:
+        target = re.match(r"\s*(?:`\()?(0x[0-9a-f]+)", operands)
+        if opcode == "BRA" and target and int(target.group(1), 16) < address:
+            body = [ins for ins in instructions if int(target.group(1), 16) <= ins[0] <= address]
+            if any(ins[1] in ("HGMMA", "HMMA") for ins in body):
+                loops.append(body)
+    if not loops:
+        raise ValueError("no loop with a matmul in the kernel")
+    return min(loops, key=len)
+
+
+def mma_flops(opcode, modifiers):
+    """(FLOP of one warp's instruction, cost factor: 2 for TF32, whose tensor rate is half of bf16's)."""
+    factor = 2 if ".TF32" in modifiers else 1
+    if opcode == "HGMMA":  # a warpgroup's m64 x n x k product, issued by each of its 4 warps
+        m, n, k = map(int, re.match(r"\.(\d+)x(\d+)x(\d+)", modifiers).groups())
+        return 2 * m * n * k / 4, factor
+    shape = re.match(r"\.(\d+)", modifiers).group(1)  # HMMA.16816: m16 n8 k16; HMMA.1688: m16 n8 k8
+    m, n, k = int(shape[:2]), int(shape[2]), int(shape[3:])
+    return 2 * m * n * k, factor
+
+
+def count_loop(loop, scores_per_thread):
+    """Per-score counts of one main loop (instructions per thread, divided by its scores per iteration)."""
+    counts = collections.Counter()
+    mufu = collections.Counter()
+    flops = 0.0
+    for _, opcode, modifiers, _ in loop:
+        if opcode == "NOP":
+            continue
+        counts["instructions"] += 1
+        if opcode in ("HGMMA", "HMMA"):
+            counts["mma"] += 1
+            flop, factor = mma_flops(opcode, modifiers)
+            flops += flop * factor
+        elif opcode == "MUFU":
+            mufu[modifiers.split(".")[1]] += 1
+        elif opcode in FP32_OPS:
+            counts["fp32"] += 1
+        elif opcode in CONVERSIONS:
+            counts["conversions"] += 1
+        elif opcode in SHARED_OPS:
+            counts["shared_ops"] += 1
+    per_score = {name: counts[name] / scores_per_thread for name in
+                 ("instructions", "mma", "fp32", "conversions", "shared_ops")}  # fmt: skip
+    per_score["mufu"] = sum(mufu.values()) / scores_per_thread
+    per_score["mufu_by_function"] = {name: n / scores_per_thread for name, n in sorted(mufu.items())}
+    # FLOP of one warp's instruction; a warp's iteration covers 32 * scores_per_thread scores.
+    per_score["tensor_flop"] = flops / (32 * scores_per_thread)
+    return per_score
+
+
+def clocks_per_score(per_score, arch):
+    """Estimated SM clocks per score on each pipe, and the slowest."""
+    rates = THROUGHPUT[arch]
+    pipes = dict(
+        issue=per_score["instructions"] / 32 / rates["issue"],
+        mufu=per_score["mufu"] / rates["mufu"],
+        fp32=per_score["fp32"] / rates["fp32"],
+        tensor=per_score["tensor_flop"] / rates["tensor"],
+    )
+    bound = max(pipes, key=pipes.get)
+    return dict(pipes, bound=bound, clocks=pipes[bound])
+
+
+def analyse(launch, arch):
+    """Everything the tool reports about one compiled kernel."""
+    from triton_aot import compile_with_log, ptxas_usage
+
+    compiled, log = compile_with_log(launch, arch)
+    meta = launch.meta
+    scores_per_thread = meta["BLOCK_M"] * meta["BLOCK_N"] / (32 * meta["num_warps"])
+    instructions = disassemble(compiled.asm["cubin"])
+    per_score = count_loop(main_loop(instructions), scores_per_thread)
+    opcodes = {opcode for _, opcode, _, _ in instructions}
+    return dict(
+        per_score=per_score,
+        **clocks_per_score(per_score, arch),
+        **ptxas_usage(log),
+        shared=compiled.metadata.shared,
+        mma_kind="wgmma" if "HGMMA" in opcodes else "mma.sync" if "HMMA" in opcodes else "none",
+        warnings=sorted(set(re.findall(r"warning : .*?(C\d{4})", log))),
+        config=dict(block_m=meta["BLOCK_M"], block_n=meta["BLOCK_N"], num_warps=meta["num_warps"],
+                    num_stages=meta["num_stages"]),  # fmt: skip
+    )
+
+
+def baseline_config(triton_module, dtype, head_dim):
+    """FlashAttention-2's usual forward tiles: 128 x 64, 4 warps (8 at head size 128)."""
+    return triton_module.KernelConfig(128, 64, 4 if head_dim <= 64 else 8, 2)
+
+
+def plat_launches(triton_module, case, p):
+    """{kernel name: Launch} of the p-Laplacian kernels for one head with this p."""
+    from triton_aot import launches
+
+    return dict(launches(triton_module, dict(case, p=p)))
+
+
+def run_case(case, cache):
+    """The kernels of one case: per kernel its analysis, averaged over the paper mix for the plat kernels."""
+    from flash_baseline_kernel import baseline_launch
+
+    from modeling_plat import plap_attention_triton as triton_module
+
+    def memo(launch):  # kernels that the p classes share are compiled once
+        key = (launch.kernel.__name__, case["arch"], tuple(sorted(launch.meta.items())))
+        if key not in cache:
+            cache[key] = analyse(launch, case["arch"])
+        return cache[key]
+
+    kernels = collections.defaultdict(list)
+    for p in PAPER_MIX:
+        for name, launch in plat_launches(triton_module, case, p).items():
+            kernels[name].append(memo(launch))
+    dtype = getattr(torch, case["dtype"])
+    query = torch.zeros(2, 3, case["num_queries"], case["head_dim"], dtype=dtype)
+    config = baseline_config(triton_module, dtype, case["head_dim"])
+    stats = torch.zeros(2, 3, case["num_queries"])
+    launch = baseline_launch(query, torch.zeros_like(query), stats, case["is_causal"], config, triton_module.Launch)
+    result = {name: mix(analyses) for name, analyses in kernels.items()}
+    result["baseline"] = memo(launch)
+    base = result["baseline"]["clocks"]
+    result["ratios"] = dict(
+        fwd=result["fwd"]["clocks"] / base,
+        fwd_bwd=sum(result[name]["clocks"] for name in ("fwd", "dkdv", "dq")) / (3.5 * base),
+    )
+    return result
+
+
+def mix(analyses):
+    """The mean per-score cost of the kernels of the p classes (equal numbers of heads); the worst resources."""
+    if len(analyses) == 1 or all(a == analyses[0] for a in analyses):
+        return analyses[0]
+    merged = dict(analyses[0])
+    merged["per_score"] = {
+        name: (
+            {fn: sum(a[name].get(fn, 0) for a in map(lambda a: a["per_score"], analyses)) / len(analyses)
+             for fn in set().union(*(a["per_score"][name] for a in analyses))}  # fmt: skip
+            if name == "mufu_by_function"
+            else sum(a["per_score"][name] for a in analyses) / len(analyses)
+        )
+        for name in analyses[0]["per_score"]
+    }
+    for pipe in ("issue", "mufu", "fp32", "tensor", "clocks"):
+        merged[pipe] = sum(a[pipe] for a in analyses) / len(analyses)
+    merged["bound"] = "/".join(sorted({a["bound"] for a in analyses}))
+    for name in ("registers", "spill_stores", "spill_loads", "shared"):
+        merged[name] = max(a[name] or 0 for a in analyses)
+    merged["warnings"] = sorted(set().union(*(a["warnings"] for a in analyses)))
+    return merged
+
+
+def sweep(quick):
+    """The cases: sm_90 and sm_80, bf16 and fp16, head sizes 64 and 128, causal or not, paper or euler;
+    ``quick``: sm_90, bf16, 64, not causal, paper."""
+    archs, dtypes, head_dims, causal, euler = (
+        ((90,), ("bfloat16",), (64,), (False,), (False,))
+        if quick
+        else ((90, 80), ("bfloat16", "float16"), (64, 128), (False, True), (False, True))
+    )
+    return [
+        dict(arch=arch, dtype=dtype, head_dim=d, value_dim=d, is_causal=c, key_mask=False, euler=e,
+             num_queries=1024, num_keys=1024)  # fmt: skip
+        for arch, dtype, d, c, e in itertools.product(archs, dtypes, head_dims, causal, euler)
+    ]
+
+
+def case_name(case):
+    flags = ("causal " if case["is_causal"] else "") + ("euler" if case["euler"] else "paper")
+    return f"sm_{case['arch']} {case['dtype']} d={case['head_dim']} {flags}"
+
+
+def table(records):
+    """The terminal table: one row per kernel of each case."""
+    header = (f"{'case':<34} {'kernel':<8} {'instr':>6} {'mma':>5} {'mufu':>5} {'mufu by function':<26} "
+              f"{'fp32':>5} {'conv':>5} {'smem':>5} {'regs':>4} {'spill':>5} {'shared':>6} {'mma kind':<8} "
+              f"{'warn':<5} {'bound':<6} {'clk':>6} {'x base':>6}")  # fmt: skip
+    lines = [header, "-" * len(header)]
+    for record in records:
+        result = record["result"]
+        base = result["baseline"]["clocks"]
+        for name in KERNEL_ORDER:
+            a = result[name]
+            s = a["per_score"]
+            functions = " ".join(f"{fn}:{n:.2f}" for fn, n in s["mufu_by_function"].items())
+            lines.append(
+                f"{record['name']:<34} {name:<8} {s['instructions']:>6.1f} {s['mma']:>5.2f} {s['mufu']:>5.2f} "
+                f"{functions:<26} {s['fp32']:>5.1f} {s['conversions']:>5.2f} {s['shared_ops']:>5.2f} "
+                f"{a['registers'] or 0:>4} {a['spill_stores'] or 0:>5} {a['shared']:>6} {a['mma_kind']:<8} "
+                f"{','.join(a['warnings']) or '-':<5} {a['bound']:<6} {a['clocks']:>6.3f} {a['clocks'] / base:>6.2f}"
+            )
+        ratios = result["ratios"]
+        lines.append(f"{record['name']:<34} estimated time / baseline: forward {ratios['fwd']:.2f}x, "
+                     f"forward + backward {ratios['fwd_bwd']:.2f}x")  # fmt: skip
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="sm_90, bfloat16, head size 64, not causal, paper")
+    parser.add_argument("--json", type=Path, help="write every figure to this file")
+    args = parser.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        sys.exit("TRITON_INTERPRET is set: the kernels are interpreted functions and cannot be compiled")
+    cache = {}
+    records = [dict(name=case_name(case), case=case, result=run_case(case, cache)) for case in sweep(args.quick)]
+    print("Static estimate (instructions per score of each kernel's main loop; clk = estimated SM clocks per score)")
+    print("throughputs per SM and clock:", json.dumps(THROUGHPUT))
+    print(table(records))
+    if args.json:
+        args.json.write_text(json.dumps(dict(throughput=THROUGHPUT, records=records), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

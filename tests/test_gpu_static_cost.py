@@ -1,0 +1,75 @@
+"""benchmarks/gpu_static_cost.py on CPU: the SASS counting on a hand-written listing, and its quick subset compiled
+for real (sm_90, bfloat16, head size 64, paper), whose instructions per score must stay near today's."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from modeling_plat import plap_attention_triton as triton_module
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_static_cost.py"
+pytestmark = pytest.mark.skipif(triton_module.triton is None, reason="triton is not installed")
+
+# Instructions per score of each kernel's main loop as measured (sm_90, bfloat16, d = 64, paper mix), with a
+# quarter of headroom: a change that makes a kernel much slower on a GPU fails here.
+MEASURED_INSTRUCTIONS = {"fwd": 18.6, "dkdv": 41.8, "dq": 36.2, "baseline": 8.8}
+
+LISTING = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0010*/                   FADD R2, R3, R4 ;
+        /*0020*/                   HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], RZ, !UPT ;
+        /*0030*/                   MUFU.EX2 R5, R5 ;
+        /*0040*/              @!P0 MUFU.LG2 R6, R6 ;
+        /*0050*/                   FFMA R7, R7, R8, R9 ;
+        /*0060*/                   F2FP.BF16.F32.PACK_AB R10, R11, R12 ;
+        /*0070*/                   LDS.128 R12, [R13] ;
+        /*0080*/                   NOP ;
+        /*0090*/               @P1 BRA 0x20 ;
+        /*00a0*/                   BRA 0x10 ;
+        /*00b0*/                   BRA 0x40 ;
+        /*00c0*/                   EXIT ;
+"""
+
+
+@pytest.fixture(scope="module")
+def tool():
+    spec = importlib.util.spec_from_file_location("gpu_static_cost", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_counting_of_a_listing(tool, monkeypatch):
+    instructions = [(int(m[1], 16), m[3], m[4], m[5]) for m in tool.INSTRUCTION.finditer(LISTING)]
+    loop = tool.main_loop(instructions)  # the shorter loop with a matmul, 0x20 to 0x90
+    assert [address for address, *_ in loop] == list(range(0x20, 0xA0, 0x10))
+    counts = tool.count_loop(loop, scores_per_thread=2)
+    assert counts["instructions"] == 7 / 2  # the NOP is not counted
+    assert counts["fp32"] == 1 / 2 and counts["mma"] == 1 / 2 and counts["conversions"] == 1 / 2
+    assert counts["mufu_by_function"] == {"EX2": 0.5, "LG2": 0.5}
+    assert counts["shared_ops"] == 1 / 2
+    assert counts["tensor_flop"] == 2 * 64 * 64 * 16 / 4 / (32 * 2)
+    clocks = tool.clocks_per_score(counts, 90)
+    assert clocks["mufu"] == 1 / 16 and clocks["issue"] == 3.5 / 32 / 4
+    assert clocks["bound"] == "tensor" and clocks["clocks"] == 512 / 4096
+
+
+def test_quick_sweep_compiles_and_stays_under_bounds(tmp_path):
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
+    out = tmp_path / "cost.json"
+    run = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--json", str(out)], env=env, capture_output=True,
+                         text=True, timeout=600)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert "forward + backward" in run.stdout
+    (record,) = json.loads(out.read_text())["records"]
+    for kernel, measured in MEASURED_INSTRUCTIONS.items():
+        analysis = record["result"][kernel]
+        assert analysis["per_score"]["instructions"] <= 1.25 * measured, (kernel, analysis["per_score"])
+        assert analysis["spill_stores"] == 0 and analysis["mma_kind"] == "wgmma"
+    assert record["result"]["ratios"]["fwd"] > 1
