@@ -17,7 +17,15 @@ import torch
 import yaml
 from tiny import lm, tensorboard_scalars, two_processes
 from torch.nn import functional as F
-from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel, pipeline
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    pipeline,
+)
 
 import modeling_plat  # noqa: F401
 from plat_train import causal_lm as run_clm
@@ -190,17 +198,33 @@ def gpt2_folder(text_files, tmp_path_factory):
     return folder
 
 
-def test_stock_gpt2_is_converted_on_load_exactly(gpt2_folder, text_files, tmp_path):
+@pytest.fixture(scope="module")
+def llama_folder(text_files, tmp_path_factory):
+    """A transformers Llama checkpoint (one key/value head for two query heads) with a word tokenizer."""
+    folder = tmp_path_factory.mktemp("llama")
+    tokenizer = train_tokenizer(text_files["train"].read_text().splitlines(), "word", model_max_length=BLOCK)
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), max_position_embeddings=BLOCK, hidden_size=16,
+                         intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                         bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("source", ["gpt2", "llama"])
+def test_stock_model_is_converted_on_load_exactly(source, request, text_files, tmp_path):
+    folder = request.getfixturevalue(f"{source}_folder")
     output_dir = tmp_path / "out"
-    # A learning rate of 0 keeps the converted weights: with p = 2 the result is GPT-2 itself.
-    run_clm.main(["--model_name_or_path", str(gpt2_folder), "--config_overrides", "plap_p=2.0",
+    # A learning rate of 0 keeps the converted weights: with p = 2 the result is the source model itself.
+    run_clm.main(["--model_name_or_path", str(folder), "--config_overrides", "plap_p=2.0",
                   *files_args(text_files), *FAST, "--do_train", "--max_steps", "1", "--learning_rate", "0",
                   "--output_dir", str(output_dir)])
     converted = AutoModelForCausalLM.from_pretrained(output_dir).eval()
     assert type(converted).__name__ == "PlatForCausalLM" and converted.config.plap_p == 2.0
     ids = torch.randint(0, converted.config.vocab_size, (2, BLOCK))
-    torch.testing.assert_close(converted(ids).logits, GPT2LMHeadModel.from_pretrained(gpt2_folder).eval()(ids).logits,
-                               rtol=1e-5, atol=1e-5)
+    expected = AutoModelForCausalLM.from_pretrained(folder).eval()(ids).logits
+    torch.testing.assert_close(converted(ids).logits, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_stock_gpt2_fine_tunes_with_the_p_mix_and_reloads(gpt2_folder, text_files, tmp_path):
