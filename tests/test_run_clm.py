@@ -424,3 +424,25 @@ def test_torch_compile_trains_and_saves_plain_weights(text_files, tmp_path):
                   "--max_steps", "2", "--torch_compile", "--output_dir", str(output_dir)])
     model, info = AutoModelForCausalLM.from_pretrained(output_dir, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]
+
+
+def test_llama_twin_recipes_run_by_name_and_differ_from_the_main_job_only_in_shape(tmp_path):
+    """plat-llama-tiny / softmax-llama-tiny: the main job's size and budget; the twins differ only in p and the
+    softmax learning rate. The plat recipe runs by name, shortened by flags after it."""
+    presets = ROOT / "plat_train" / "presets"
+    recipes = {name: yaml.safe_load((presets / f"{name}.yaml").read_text())
+               for name in ("plat-ptb-tiny", "plat-llama-tiny", "softmax-llama-tiny")}
+    same = lambda recipe: {k: v for k, v in recipe.items() if k not in ("config_name", "output_dir", "learning_rate")}
+    assert same(recipes["plat-llama-tiny"]) == same(recipes["softmax-llama-tiny"]) == same(recipes["plat-ptb-tiny"])
+    assert recipes["softmax-llama-tiny"]["learning_rate"] == 1e-3
+    plat, softmax = (json.loads((presets / f"{name}.json").read_text())
+                     for name in ("plat-llama-tiny", "softmax-llama-tiny"))
+    assert {k: v for k, v in plat.items() if k != "plap_p"} == {k: v for k, v in softmax.items() if k != "plap_p"}
+
+    output_dir = tmp_path / "out"
+    run_clm.main(["plat-llama-tiny.yaml", "--max_steps", "2", "--max_train_samples", "8", "--max_eval_samples", "2",
+                  "--per_device_train_batch_size", "4", "--per_device_eval_batch_size", "2", "--eval_stride", "128",
+                  "--save_strategy", "no", "--output_dir", str(output_dir), "--disable_tqdm", "true"])
+    config = AutoModelForCausalLM.from_pretrained(output_dir).config
+    assert config.position_embedding_type == "rope" and config.head_shape() == (4, 16)
+    assert math.isfinite(results(output_dir)["eval_perplexity"])
