@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from tiny import classifier, lm, text_config, vision_config
+from modeling_plat.modeling_plat import _check_range
+from tiny import LLAMA_SHAPE, classifier, lm, text_config, vision_config
 
 
 @pytest.mark.parametrize(
@@ -58,6 +59,18 @@ def test_lm_bad_input_raises_clear_errors(make_call, message):
     with pytest.raises(ValueError, match=message):
         make_call(lm())
 
+
+def test_llama_shape_bad_input_raises_clear_errors():
+    with pytest.raises(ValueError, match="input_ids must lie in"):
+        lm(**LLAMA_SHAPE)(torch.tensor([[1, 2, 61]]))
+
+
+def test_range_checks_read_no_device_tensor():
+    """Reading a GPU tensor's min/max would synchronise the host on every forward, every generated token
+    included: only CPU tensors are range-checked (a meta tensor has no values to read, and must not be read)."""
+    _check_range("input_ids", torch.full((1, 3), 99, device="meta"), 0, 61, "vocab_size")
+    with pytest.raises(ValueError, match="input_ids must lie in"):
+        _check_range("input_ids", torch.full((1, 3), 99), 0, 61, "vocab_size")
 
 
 @pytest.mark.parametrize(
