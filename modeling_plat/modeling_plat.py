@@ -303,8 +303,16 @@ class PlatModel(PlatPreTrainedModel):
     def set_input_embeddings(self, value):
         self.embed_tokens = value
 
-    def _check_text_inputs(self, input_ids, inputs_embeds, attention_mask, past_length):
-        """Raise a ValueError naming the input for ids, embeddings or a mask the model cannot read."""
+    def _check_text_inputs(self, input_ids, inputs_embeds, attention_mask, past_key_values):
+        """Raise a ValueError naming the input for ids, embeddings, a mask or a cache the model cannot read."""
+        if past_key_values is not None and past_key_values.is_compileable:
+            # A static cache hands back its whole fixed length, empty slots included, and p-LaT's attention
+            # aligns queries with the last cached keys.
+            raise ValueError(
+                "p-LaT needs a DynamicCache: a static (fixed-size) cache such as generate(cache_implementation="
+                "'static') is not supported"
+            )
+        past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of input_ids or inputs_embeds")
         if input_ids is not None:
@@ -353,8 +361,8 @@ class PlatModel(PlatPreTrainedModel):
         use_cache = self.config.use_cache if use_cache is None else use_cache
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache(config=self.config)
+        self._check_text_inputs(input_ids, inputs_embeds, attention_mask, past_key_values)
         past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
-        self._check_text_inputs(input_ids, inputs_embeds, attention_mask, past_length)
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
         length = inputs_embeds.shape[1]

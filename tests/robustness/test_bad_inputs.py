@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from transformers import StaticCache
 
 from modeling_plat.modeling_plat import _check_range
 from tiny import LLAMA_SHAPE, classifier, lm, text_config, vision_config
@@ -63,6 +64,15 @@ def test_lm_bad_input_raises_clear_errors(make_call, message):
 def test_llama_shape_bad_input_raises_clear_errors():
     with pytest.raises(ValueError, match="input_ids must lie in"):
         lm(**LLAMA_SHAPE)(torch.tensor([[1, 2, 61]]))
+
+
+@pytest.mark.parametrize("shape", [{}, LLAMA_SHAPE])
+def test_static_cache_is_refused_up_front(shape):
+    model = lm(**shape)
+    with pytest.raises(ValueError, match="p-LaT needs a DynamicCache"):
+        model.generate(torch.randint(2, 61, (2, 5)), max_new_tokens=3, cache_implementation="static")
+    with pytest.raises(ValueError, match="DynamicCache"):
+        model(torch.randint(2, 61, (1, 3)), past_key_values=StaticCache(config=model.config, max_cache_len=8))
 
 
 def test_range_checks_read_no_device_tensor():
