@@ -229,7 +229,8 @@ class PlatConfig(PlatConfigBase):
         super().validate_plat()
         if self.position_embedding_type not in POSITION_EMBEDDING_TYPES:
             raise ValueError(
-                f"position_embedding_type must be one of {POSITION_EMBEDDING_TYPES}; got {self.position_embedding_type!r}"
+                f"position_embedding_type must be one of {POSITION_EMBEDDING_TYPES}; "
+                f"got {self.position_embedding_type!r}"
             )
         head_dim = self.head_shape()[1]
         if self.position_embedding_type == "rope" and head_dim % 2:

@@ -52,7 +52,8 @@ def make_norm(config: PlatConfigBase):
 
 
 class PlatRotaryEmbedding(nn.Module):
-    """Rotary position angles (RoPE, default type): cos and sin of position * theta^(-2i / head_dim) per feature pair."""
+    """Rotary position angles (RoPE, default type): cos and sin of position * theta^(-2i / head_dim), one angle per
+    feature pair (i, i + head_dim / 2)."""
 
     def __init__(self, config: PlatConfig):
         super().__init__()
@@ -84,7 +85,8 @@ def apply_rotary(x, cos, sin):
 
 
 def repeat_kv(hidden_states, repeats):
-    """(B, H_kv, T, d) -> (B, H_kv * repeats, T, d): key/value head j serves query heads j * repeats ... + repeats - 1."""
+    """(B, H_kv, T, d) -> (B, H_kv * repeats, T, d): key/value head j serves query heads j * repeats to
+    (j + 1) * repeats - 1."""
     if repeats == 1:
         return hidden_states
     batch, num_kv_heads, length, head_dim = hidden_states.shape

@@ -80,8 +80,8 @@ def build_config(model_args, task, default_config_name=None, **fields):
             config = plat_config_for(config)
         if not is_plat(config):
             raise ValueError(
-                f"{source} is a {config.model_type!r} model: give a p-LaT one, or a GPT-2, Llama, Qwen2, Mistral or ViT "
-                "checkpoint to convert"
+                f"{source} is a {config.model_type!r} model: give a p-LaT one, or a GPT-2, Llama, Qwen2, Mistral or "
+                "ViT checkpoint to convert"
             )
         if not isinstance(config, config_class):
             raise ValueError(f"{source} is a {type(config).__name__}, not the {config_class.__name__} that {task} needs")
