@@ -235,6 +235,9 @@ class PlatConfig(PlatConfigBase):
         head_dim = self.head_shape()[1]
         if self.position_embedding_type == "rope" and head_dim % 2:
             raise ValueError(f"Rotary positions rotate pairs of features: head_dim must be even; got {head_dim}")
+        # Unset only while __init__ runs, which has checked it; set fields (--config_overrides) are checked here.
+        if "rope_parameters" in vars(self):
+            self.rope_parameters = _rope_parameters(self.position_embedding_type, self.rope_parameters, None, None)
 
 
 def _rope_parameters(position_embedding_type, rope_parameters, rope_scaling, rope_theta):

@@ -97,6 +97,17 @@ def test_bad_decoder_shapes_are_refused_by_name(fields, message):
         text_config(**fields)
 
 
+def test_fields_set_after_init_are_checked_as_overrides_are():
+    config = text_config(**LLAMA_SHAPE)
+    config.rope_parameters = {"rope_type": "yarn", "factor": 4.0}
+    with pytest.raises(ValueError, match="'yarn'"):
+        config.validate_plat()
+    learned = text_config()
+    learned.position_embedding_type = "rope"
+    learned.validate_plat()
+    assert learned.rope_parameters == {"rope_type": "default", "rope_theta": 10000.0}
+
+
 def test_checkpoint_saved_before_the_llama_shapes_loads_bit_for_bit():
     """tests/fixtures/plat-lm-3c7952d was saved by the code at commit 3c7952d (GPT-2 shape, no decoder-shape
     fields in its config.json), with the logits that code computed."""
