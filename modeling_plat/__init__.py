@@ -14,9 +14,6 @@ from transformers import (
     AutoModelForCausalLM,
     AutoModelForImageClassification,
 )
-# The class itself: transformers' top-level name is a placeholder that needs torchvision, the pipelines use this one.
-from transformers.models.auto.video_processing_auto import AutoVideoProcessor
-
 from .configuration_plat import PlatConfig, PlatConfigBase, PlatVisionConfig, paper_p_mix
 from .image_processing_plat import PlatImageProcessor
 from .modeling_plat import (
@@ -38,8 +35,14 @@ AutoModelForCausalLM.register(PlatConfig, PlatForCausalLM, exist_ok=True)
 AutoModelForImageClassification.register(PlatVisionConfig, PlatForImageClassification, exist_ok=True)
 AutoImageProcessor.register(PlatVisionConfig, image_processor_classes={"pil": PlatImageProcessor}, exist_ok=True)
 # No video processor: said explicitly, or pipelines look for one in the checkpoint's remote code and prompt for
-# trust_remote_code (their probe derives it from the grayscale image processor's auto_map).
-AutoVideoProcessor.register(PlatVisionConfig, video_processor_classes={}, exist_ok=True)
+# trust_remote_code (their probe derives it from the grayscale image processor's auto_map). The class lives on a
+# private path (transformers' top-level name is a placeholder needing torchvision): skipped if it moves.
+try:
+    from transformers.models.auto.video_processing_auto import AutoVideoProcessor
+except ImportError:
+    pass
+else:
+    AutoVideoProcessor.register(PlatVisionConfig, video_processor_classes={}, exist_ok=True)
 
 __all__ = [
     "BACKENDS",

@@ -8,6 +8,7 @@ class to exactly one trunk, so a vision checkpoint must not share the text famil
 import math
 
 from transformers import PretrainedConfig
+from transformers.activations import ACT2FN
 from transformers.utils import logging
 
 from .plap_attention import BACKENDS, FORMULATIONS
@@ -16,9 +17,9 @@ logger = logging.get_logger(__name__)
 
 # Bumped when a saved config means something different to this code; older configs stay loadable.
 PLAT_CONFIG_VERSION = 1
-VISION_ARCHITECTURES = ("PlatVisionModel", "PlatForImageClassification")
-TEXT_ONLY_FIELDS = ("vocab_size", "max_position_embeddings", "use_cache", "tie_word_embeddings")
-VISION_ONLY_FIELDS = ("image_size", "patch_size", "num_channels")
+NORM_TYPES = ("layernorm", "rmsnorm")
+MLP_TYPES = ("plain", "gated")
+POSITION_EMBEDDING_TYPES = ("learned", "rope")
 
 
 def paper_p_mix(num_heads):
@@ -35,12 +36,21 @@ class PlatConfigBase(PretrainedConfig):
         num_hidden_layers (`int`, defaults to 4): number of transformer blocks.
         num_attention_heads (`int`, defaults to 8): heads per block; must divide `hidden_size`.
         intermediate_size (`int`, defaults to 4 * hidden_size): MLP width.
+        num_key_value_heads (`int`, defaults to num_attention_heads): key/value heads (grouped-query attention when
+            fewer); each serves num_attention_heads / num_key_value_heads consecutive query heads.
+        head_dim (`int`, defaults to hidden_size / num_attention_heads): width of each query, key and value head.
         hidden_act (`str`, defaults to `"gelu"`): MLP activation (any key of `transformers.activations.ACT2FN`).
+        mlp_type (`str`, defaults to `"plain"`): `"plain"` (fc1 -> act -> fc2, GPT-2 / ViT) or `"gated"`
+            (down_proj(act(gate_proj(x)) * up_proj(x)), Llama's SwiGLU with `hidden_act="silu"`).
+        norm_type (`str`, defaults to `"layernorm"`): `"layernorm"` (`layer_norm_eps`) or `"rmsnorm"` (`rms_norm_eps`).
         hidden_dropout_prob (`float`, defaults to 0.0): dropout on embeddings and residual branches.
         attention_probs_dropout_prob (`float`, defaults to 0.0): dropout on the effective attention weights.
         layer_norm_eps (`float`, defaults to 1e-5): LayerNorm epsilon.
+        rms_norm_eps (`float`, defaults to 1e-6): RMSNorm epsilon.
         initializer_range (`float`, defaults to 0.02): std of the normal weight init.
         qkv_bias (`bool`, defaults to `True`): biases on the query, key and value projections.
+        o_proj_bias (`bool`, defaults to `True`): bias on the attention output projection.
+        mlp_bias (`bool`, defaults to `True`): biases on the MLP projections.
         plap_p (`float`, `list[float]` or `list[list[float]]`, defaults to the paper's mix): the exponent p,
             one for all heads, one per head (shared by all layers) or one per layer and head. `p = 2` is
             softmax attention. The default is the paper's mix: ceil(H / 2) heads with p = 1.5, the rest 2.5.
@@ -59,13 +69,20 @@ class PlatConfigBase(PretrainedConfig):
         hidden_size=128,
         num_hidden_layers=4,
         num_attention_heads=8,
+        num_key_value_heads=None,
+        head_dim=None,
         intermediate_size=None,
         hidden_act="gelu",
+        mlp_type="plain",
+        norm_type="layernorm",
         hidden_dropout_prob=0.0,
         attention_probs_dropout_prob=0.0,
         layer_norm_eps=1e-5,
+        rms_norm_eps=1e-6,
         initializer_range=0.02,
         qkv_bias=True,
+        o_proj_bias=True,
+        mlp_bias=True,
         plap_p=None,
         plap_eps=1e-6,
         plap_formulation="paper",
@@ -76,13 +93,21 @@ class PlatConfigBase(PretrainedConfig):
         self.hidden_size = hidden_size
         self.num_hidden_layers = num_hidden_layers
         self.num_attention_heads = num_attention_heads
+        # Unset (None) follow num_attention_heads and hidden_size, also when those are overridden later.
+        self.num_key_value_heads = num_key_value_heads
+        self.head_dim = head_dim
         self.intermediate_size = 4 * hidden_size if intermediate_size is None else intermediate_size
         self.hidden_act = hidden_act
+        self.mlp_type = mlp_type
+        self.norm_type = norm_type
         self.hidden_dropout_prob = hidden_dropout_prob
         self.attention_probs_dropout_prob = attention_probs_dropout_prob
         self.layer_norm_eps = layer_norm_eps
+        self.rms_norm_eps = rms_norm_eps
         self.initializer_range = initializer_range
         self.qkv_bias = qkv_bias
+        self.o_proj_bias = o_proj_bias
+        self.mlp_bias = mlp_bias
         self.plap_p = paper_p_mix(num_attention_heads) if plap_p is None else plap_p
         self.plap_eps = plap_eps
         self.plap_formulation = plap_formulation
@@ -98,16 +123,28 @@ class PlatConfigBase(PretrainedConfig):
                 f"This config has plat_config_version={self.plat_config_version!r}, written by a newer plat than "
                 f"this one (which reads up to {PLAT_CONFIG_VERSION}); upgrade plat or load it with trust_remote_code=True"
             )
-        for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+        optional = [name for name in ("num_key_value_heads", "head_dim") if getattr(self, name) is not None]
+        for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", *optional, "intermediate_size",
                      *self.family_sizes):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer; got {value!r}")
-        if self.hidden_size % self.num_attention_heads:
+        if self.head_dim is None and self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
-                f"({self.num_attention_heads})"
+                f"({self.num_attention_heads}), or head_dim given"
             )
+        num_kv_heads, _ = self.head_shape()
+        if self.num_attention_heads % num_kv_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of num_key_value_heads "
+                f"({num_kv_heads})"
+            )
+        for name, value, allowed in (("norm_type", self.norm_type, NORM_TYPES), ("mlp_type", self.mlp_type, MLP_TYPES)):
+            if value not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}; got {value!r}")
+        if self.hidden_act not in ACT2FN:
+            raise ValueError(f"hidden_act must be one of transformers' activations (ACT2FN); got {self.hidden_act!r}")
         if not (isinstance(self.plap_eps, (int, float)) and math.isfinite(self.plap_eps) and self.plap_eps > 0):
             raise ValueError(f"plap_eps must be a finite number > 0; got {self.plap_eps!r}")
         if self.plap_formulation not in FORMULATIONS:
@@ -115,6 +152,12 @@ class PlatConfigBase(PretrainedConfig):
         if self.plap_backend not in BACKENDS:
             raise ValueError(f"plap_backend must be one of {BACKENDS}; got {self.plap_backend!r}")
         self.p_per_layer()  # validates plap_p
+
+    def head_shape(self):
+        """(num_key_value_heads, head_dim) with the defaults of unset fields: num_attention_heads, hidden / heads."""
+        num_kv_heads = self.num_attention_heads if self.num_key_value_heads is None else self.num_key_value_heads
+        head_dim = self.hidden_size // self.num_attention_heads if self.head_dim is None else self.head_dim
+        return num_kv_heads, head_dim
 
     def p_per_layer(self):
         """plap_p expanded to a (num_hidden_layers x num_attention_heads) list of lists of floats."""
@@ -146,11 +189,18 @@ class PlatConfigBase(PretrainedConfig):
 
 
 class PlatConfig(PlatConfigBase):
-    r"""Configuration of a p-LaT language model (`PlatModel`, `PlatForCausalLM`), GPT-2-style.
+    r"""Configuration of a p-LaT language model (`PlatModel`, `PlatForCausalLM`): GPT-2-style by default, Llama-style
+    with `position_embedding_type="rope"`, `norm_type="rmsnorm"`, `mlp_type="gated"`, `hidden_act="silu"`, no biases
+    and, for grouped-query attention, fewer `num_key_value_heads`.
 
     Args:
         vocab_size (`int`, defaults to 10000): text vocabulary size.
-        max_position_embeddings (`int`, defaults to 256): longest text sequence (learned positions).
+        max_position_embeddings (`int`, defaults to 256): longest text sequence with learned positions (a bound on
+            the input); with rotary positions only the default generation length.
+        position_embedding_type (`str`, defaults to `"learned"`): `"learned"` (GPT-2) or `"rope"` (rotary, Llama).
+        rope_parameters (`dict`, with `"rope"` only): `{"rope_type": "default", "rope_theta": 10000.0}`, transformers
+            5's form; `rope_theta=` or the older `rope_scaling=` dict are read into it. Only the default rotary type
+            is implemented; other types (linear, dynamic, yarn, llama3, ...) are refused by name.
         use_cache (`bool`, defaults to `True`): return the key/value cache for generation.
         tie_word_embeddings (`bool`, defaults to `True`): share the LM head with the token embeddings.
         Further arguments: the transformer and p-LaT fields of `PlatConfigBase`.
@@ -160,28 +210,58 @@ class PlatConfig(PlatConfigBase):
     keys_to_ignore_at_inference = ["past_key_values"]
     family_sizes = ("vocab_size", "max_position_embeddings")
 
-    def __init__(self, vocab_size=10000, max_position_embeddings=256, use_cache=True, tie_word_embeddings=True,
-                 **kwargs):
+    def __init__(self, vocab_size=10000, max_position_embeddings=256, position_embedding_type="learned",
+                 rope_parameters=None, use_cache=True, tie_word_embeddings=True, **kwargs):
         self.vocab_size = vocab_size
         self.max_position_embeddings = max_position_embeddings
+        self.position_embedding_type = position_embedding_type
+        # Read here and set after transformers' own init, whose rotary standardisation would give every config
+        # (learned positions included) a rope_parameters dict.
+        rope_parameters = _rope_parameters(
+            position_embedding_type, rope_parameters, kwargs.pop("rope_scaling", None), kwargs.pop("rope_theta", None)
+        )
         self.use_cache = use_cache
         self.tie_word_embeddings = tie_word_embeddings
         super().__init__(**kwargs)
+        self.rope_parameters = rope_parameters
 
-    @classmethod
-    def from_dict(cls, config_dict, **kwargs):
-        # Before the vision family had its own type, vision checkpoints were saved as "plat" with every field of
-        # both families: read those as what they are, so that AutoModel never builds a random text trunk.
-        if cls is PlatConfig and set(config_dict.get("architectures") or ()) & set(VISION_ARCHITECTURES):
-            logger.warning(
-                "This checkpoint's config.json says model_type 'plat' but holds a p-LaT vision model: it was "
-                "saved before the vision family had its own config type. Loading it as PlatVisionConfig; "
-                "save_pretrained() writes it anew as 'plat_vision'."
+    def validate_plat(self):
+        super().validate_plat()
+        if self.position_embedding_type not in POSITION_EMBEDDING_TYPES:
+            raise ValueError(
+                f"position_embedding_type must be one of {POSITION_EMBEDDING_TYPES}; "
+                f"got {self.position_embedding_type!r}"
             )
-            fields = {k: v for k, v in config_dict.items() if k not in TEXT_ONLY_FIELDS}
-            return PlatVisionConfig.from_dict({**fields, "model_type": PlatVisionConfig.model_type}, **kwargs)
-        fields = {k: v for k, v in config_dict.items() if k not in VISION_ONLY_FIELDS}
-        return super().from_dict(fields, **kwargs)
+        head_dim = self.head_shape()[1]
+        if self.position_embedding_type == "rope" and head_dim % 2:
+            raise ValueError(f"Rotary positions rotate pairs of features: head_dim must be even; got {head_dim}")
+        # Unset only while __init__ runs, which has checked it; set fields (--config_overrides) are checked here.
+        if "rope_parameters" in vars(self):
+            self.rope_parameters = _rope_parameters(self.position_embedding_type, self.rope_parameters, None, None)
+
+
+def _rope_parameters(position_embedding_type, rope_parameters, rope_scaling, rope_theta):
+    """The rotary settings as transformers 5 writes them, or None with learned positions."""
+    given = rope_parameters if rope_parameters is not None else rope_scaling
+    if position_embedding_type != "rope":
+        if given is not None or rope_theta is not None:
+            raise ValueError(
+                "rope_parameters, rope_scaling and rope_theta need position_embedding_type='rope'; "
+                f"this config has {position_embedding_type!r}"
+            )
+        return None
+    parameters = dict(given or {})
+    rope_type = parameters.pop("rope_type", parameters.pop("type", "default"))
+    if rope_type != "default":
+        raise ValueError(
+            f"rope_parameters rope_type {rope_type!r} is not implemented in p-LaT; only 'default' rotary positions are"
+        )
+    theta = parameters.pop("rope_theta", 10000.0 if rope_theta is None else rope_theta)
+    if parameters:
+        raise ValueError(f"rope_parameters has fields that default rotary positions do not use: {sorted(parameters)}")
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 1:
+        raise ValueError(f"rope_theta must be a number > 1; got {theta!r}")
+    return {"rope_type": "default", "rope_theta": float(theta)}
 
 
 class PlatVisionConfig(PlatConfigBase):

@@ -1,4 +1,4 @@
-"""Turn a transformers GPT-2 or ViT checkpoint into the equivalent p-LaT model.
+"""Turn a transformers GPT-2, Llama, Qwen2, Mistral or ViT checkpoint into the equivalent p-LaT model.
 
 p-LaT adds no parameters: the weights carry over unchanged and only the attention rule changes. With
 ``plap_p=2.0`` the converted model computes exactly what the source model does.
@@ -19,6 +19,16 @@ _GPT2_KEYS = [
     (r"transformer\.h\.(\d+)\.mlp\.c_fc\.(weight|bias)", r"model.layers.\1.mlp.fc1.\2"),
     (r"transformer\.h\.(\d+)\.mlp\.c_proj\.(weight|bias)", r"model.layers.\1.mlp.fc2.\2"),
     (r"transformer\.ln_f\.(weight|bias)", r"model.norm.\1"),
+    (r"lm_head\.weight", "lm_head.weight"),
+]
+# Llama, Qwen2 and Mistral share their weight names; their projections are nn.Linear, (out, in) like ours.
+_LLAMA_KEYS = [
+    (r"model\.embed_tokens\.weight", "model.embed_tokens.weight"),
+    (r"model\.layers\.(\d+)\.self_attn\.([qkvo])_proj\.(weight|bias)", r"model.layers.\1.attention.\2_proj.\3"),
+    (r"model\.layers\.(\d+)\.mlp\.(gate|up|down)_proj\.(weight|bias)", r"model.layers.\1.mlp.\2_proj.\3"),
+    (r"model\.layers\.(\d+)\.input_layernorm\.weight", r"model.layers.\1.attn_norm.weight"),
+    (r"model\.layers\.(\d+)\.post_attention_layernorm\.weight", r"model.layers.\1.mlp_norm.weight"),
+    (r"model\.norm\.weight", "model.norm.weight"),
     (r"lm_head\.weight", "lm_head.weight"),
 ]
 _VIT_KEYS = [
@@ -68,6 +78,45 @@ def _gpt2_config(src, overrides):
     })
 
 
+# Source fields whose setting p-LaT cannot represent, when set to anything but "off" (None, False, 0).
+_LLAMA_FAMILY_UNSUPPORTED = (
+    "sliding_window",  # Mistral, and Qwen2 with use_sliding_window (its config clears it otherwise)
+    "attn_logit_softcapping",
+    "final_logit_softcapping",
+    "num_experts",
+    "num_local_experts",
+)
+
+
+def _llama_config(src, overrides):
+    """Llama, Qwen2 and Mistral: rotary positions, RMSNorm, gated MLP, grouped-query attention."""
+    in_use = [f"{name}={getattr(src, name)!r}" for name in _LLAMA_FAMILY_UNSUPPORTED if getattr(src, name, None)]
+    layer_types = set(getattr(src, "layer_types", None) or ()) - {"full_attention"}
+    if layer_types:
+        in_use.append(f"layer_types with {sorted(layer_types)}")
+    if in_use:
+        raise ValueError(
+            f"{type(src).__name__} settings without a p-LaT equivalent: {', '.join(in_use)} (sliding-window "
+            "attention, logit softcapping and mixtures of experts do not convert; a checkpoint only ever run on "
+            "sequences shorter than its sliding_window converts after setting config.sliding_window = None)"
+        )
+    # Llama's attention_bias covers q, k, v and o; Qwen2 has q/k/v biases only; Mistral none.
+    qkv_bias = src.model_type == "qwen2" or getattr(src, "attention_bias", False)
+    return PlatConfig(**{
+        "vocab_size": src.vocab_size, "hidden_size": src.hidden_size, "num_hidden_layers": src.num_hidden_layers,
+        "num_attention_heads": src.num_attention_heads, "num_key_value_heads": src.num_key_value_heads,
+        "head_dim": getattr(src, "head_dim", None) or src.hidden_size // src.num_attention_heads,
+        "intermediate_size": src.intermediate_size, "hidden_act": src.hidden_act, "mlp_type": "gated",
+        "norm_type": "rmsnorm", "rms_norm_eps": src.rms_norm_eps, "position_embedding_type": "rope",
+        "rope_parameters": dict(src.rope_parameters), "max_position_embeddings": src.max_position_embeddings,
+        "qkv_bias": qkv_bias, "o_proj_bias": getattr(src, "attention_bias", False),
+        "mlp_bias": getattr(src, "mlp_bias", False), "hidden_dropout_prob": 0.0,
+        "attention_probs_dropout_prob": src.attention_dropout, "initializer_range": src.initializer_range,
+        "tie_word_embeddings": src.tie_word_embeddings, "bos_token_id": src.bos_token_id,
+        "eos_token_id": src.eos_token_id, "pad_token_id": src.pad_token_id, **overrides,
+    })
+
+
 def _vit_config(src, overrides):
     for name in ("image_size", "patch_size"):
         if not isinstance(getattr(src, name), int):
@@ -83,21 +132,25 @@ def _vit_config(src, overrides):
     })
 
 
-CONFIG_CONVERTERS = {"gpt2": _gpt2_config, "vit": _vit_config}
+CONFIG_CONVERTERS = {
+    "gpt2": _gpt2_config, "llama": _llama_config, "qwen2": _llama_config, "mistral": _llama_config, "vit": _vit_config,
+}
 
 
 def convertible(config):
-    """True for the configs of the transformers models that ``convert_to_plat`` takes (GPT-2, ViT)."""
+    """True for the configs of the transformers models that ``convert_to_plat`` takes (GPT-2, Llama, Qwen2,
+    Mistral, ViT)."""
     return config.model_type in CONFIG_CONVERTERS
 
 
 def plat_config_for(source_config, plap_p=None, **overrides):
-    """The p-LaT config of the same shapes as a transformers GPT-2 or ViT config (the paper's mix by default)."""
+    """The p-LaT config of the same shapes as a transformers GPT-2, Llama, Qwen2, Mistral or ViT config (the paper's
+    mix over the query heads by default); raises a ValueError naming any source setting p-LaT cannot represent."""
     if not convertible(source_config):
         raise ValueError(
             f"Cannot convert a {type(source_config).__name__} (model_type {source_config.model_type!r}): supported "
-            "sources are GPT-2 and ViT (DeiT checkpoints without a distillation token, such as "
-            "facebook/deit-tiny-patch16-224, are ViT ones)"
+            "sources are GPT-2, Llama, Qwen2, Mistral and ViT (DeiT checkpoints without a distillation token, such "
+            "as facebook/deit-tiny-patch16-224, are ViT ones)"
         )
     if plap_p is None and "plap_p" not in overrides:
         plap_p = paper_p_mix(source_config.num_attention_heads)
@@ -119,6 +172,10 @@ def _gpt2_weights(model):
     return {k: v.t().contiguous() if conv1d.fullmatch(k) else v for k, v in state.items()}
 
 
+def _llama_weights(model):
+    return _rename(model.state_dict(), _LLAMA_KEYS)
+
+
 def _vit_weights(model):
     source = model.state_dict()
     if type(model).__name__ == "ViTModel":
@@ -131,13 +188,17 @@ def _vit_weights(model):
 # Source class -> (p-LaT class, weight renaming).
 TARGETS = {
     "GPT2LMHeadModel": (PlatForCausalLM, _gpt2_weights),
+    "LlamaForCausalLM": (PlatForCausalLM, _llama_weights),
+    "Qwen2ForCausalLM": (PlatForCausalLM, _llama_weights),
+    "MistralForCausalLM": (PlatForCausalLM, _llama_weights),
     "ViTModel": (PlatVisionModel, _vit_weights),
     "ViTForImageClassification": (PlatForImageClassification, _vit_weights),
 }
 
 
 def convert_to_plat(model, plap_p=None, config=None, **config_overrides):
-    """The p-LaT model with ``model``'s weights: GPT2LMHeadModel, ViTModel or ViTForImageClassification.
+    """The p-LaT model with ``model``'s weights: GPT2LMHeadModel, LlamaForCausalLM, Qwen2ForCausalLM,
+    MistralForCausalLM, ViTModel or ViTForImageClassification.
 
     ``model`` may also be a path or hub id that ``AutoModel*.from_pretrained`` resolves. ``plap_p`` defaults to
     the paper's head mix; ``plap_p=2.0`` reproduces the source model's outputs. Other keyword arguments
@@ -150,7 +211,7 @@ def convert_to_plat(model, plap_p=None, config=None, **config_overrides):
     kind = type(model).__name__
     if kind not in TARGETS:
         raise ValueError(
-            f"Cannot convert {kind}: supported sources are GPT2LMHeadModel, ViTModel and ViTForImageClassification "
+            f"Cannot convert {kind}: supported sources are {', '.join(TARGETS)} "
             "(DeiT checkpoints without a distillation token, such as facebook/deit-tiny-patch16-224, are ViT ones)"
         )
     if config is None:

@@ -1,7 +1,9 @@
-"""p-Laplacian Transformer (p-LaT, arXiv 2311.03235) models: a GPT-2-style causal LM and a ViT/DeiT-style classifier.
+"""p-Laplacian Transformer (p-LaT, arXiv 2311.03235) models: a causal LM (GPT-2-style, or Llama-style with rotary
+positions, RMSNorm, a gated MLP and grouped-query attention, as its config says) and a ViT/DeiT-style classifier.
 
-Reading order: attention -> MLP -> layer -> pre-trained base -> text trunk and LM head -> vision trunk and
-classifier. Both families share the layer; only the mask (causal or not) and the embeddings differ.
+Reading order: norms and rotary positions -> attention -> MLPs -> layer -> pre-trained base -> text trunk and LM
+head -> vision trunk and classifier. Both families share the layer; the config picks its pieces in ``__init__``;
+only the mask (causal or not) and the embeddings differ between the families.
 """
 
 import math
@@ -25,12 +27,81 @@ from transformers.modeling_outputs import (
 from transformers.utils.generic import can_return_tuple
 
 from .configuration_plat import PlatConfig, PlatConfigBase, PlatVisionConfig
+from .packing import packed_document_ids
 from .plap_attention import plap_attention
 from .plap_attention_reference import plap_attention_eager
 
 
+class PlatRMSNorm(nn.Module):
+    """Root-mean-square norm (Llama): x / rms(x) * weight, computed in float32 whatever the input dtype."""
+
+    def __init__(self, hidden_size, eps):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, hidden_states):
+        dtype = hidden_states.dtype
+        hidden_states = hidden_states.float()
+        hidden_states = hidden_states * torch.rsqrt(hidden_states.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * hidden_states.to(dtype)
+
+
+def make_norm(config: PlatConfigBase):
+    if config.norm_type == "rmsnorm":
+        return PlatRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+    return nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+
+
+class PlatRotaryEmbedding(nn.Module):
+    """Rotary position angles (RoPE, default type): cos and sin of position * theta^(-2i / head_dim), one angle per
+    feature pair (i, i + head_dim / 2)."""
+
+    def __init__(self, config: PlatConfig):
+        super().__init__()
+        self.head_dim = config.head_shape()[1]
+        self.theta = config.rope_parameters["rope_theta"]
+        self.inv_freq = nn.Buffer(self.compute_inv_freq(), persistent=False)
+
+    def compute_inv_freq(self):
+        return 1.0 / self.theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32) / self.head_dim)
+
+    def forward(self, hidden_states, position_ids):
+        """(cos, sin), each (B|1, N, head_dim) in ``hidden_states``' dtype; the angles in float32."""
+        with torch.autocast(hidden_states.device.type, enabled=False):
+            angles = position_ids[..., None].float() * self.inv_freq.float()  # (B|1, N, head_dim / 2)
+            angles = torch.cat([angles, angles], dim=-1)  # (B|1, N, head_dim): the two halves share angles
+            return angles.cos().to(hidden_states.dtype), angles.sin().to(hidden_states.dtype)
+
+
+def rotate_half(x):
+    """(x1, x2) -> (-x2, x1) on the two halves of the last dimension."""
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat([-second, first], dim=-1)
+
+
+def apply_rotary(x, cos, sin):
+    """Rotate each (i, i + d/2) feature pair of (B, H, N, d) ``x`` by its position's angle."""
+    cos, sin = cos[:, None], sin[:, None]  # (B|1, 1, N, d): shared by all heads
+    return x * cos + rotate_half(x) * sin
+
+
+def repeat_kv(hidden_states, repeats):
+    """(B, H_kv, T, d) -> (B, H_kv * repeats, T, d): key/value head j serves query heads j * repeats to
+    (j + 1) * repeats - 1."""
+    if repeats == 1:
+        return hidden_states
+    batch, num_kv_heads, length, head_dim = hidden_states.shape
+    expanded = hidden_states[:, :, None].expand(batch, num_kv_heads, repeats, length, head_dim)
+    return expanded.reshape(batch, num_kv_heads * repeats, length, head_dim)
+
+
 class PlatAttention(nn.Module):
-    """Multi-head p-Laplacian self-attention (eq. 12) with one exponent p per head."""
+    """Multi-head p-Laplacian self-attention (eq. 12) with one exponent p per query head.
+
+    With fewer key/value heads (grouped-query attention) the cache keeps those, and each is repeated for the query
+    heads that read it: a query head's value distances D2 are those of its key/value head, its p its own.
+    """
 
     def __init__(self, config: PlatConfigBase, layer_idx: int, is_causal: bool):
         super().__init__()
@@ -38,76 +109,104 @@ class PlatAttention(nn.Module):
         self.layer_idx = layer_idx
         self.is_causal = is_causal
         self.num_heads = config.num_attention_heads
-        self.head_dim = config.hidden_size // config.num_attention_heads
-        self.q_proj = nn.Linear(config.hidden_size, config.hidden_size, bias=config.qkv_bias)
-        self.k_proj = nn.Linear(config.hidden_size, config.hidden_size, bias=config.qkv_bias)
-        self.v_proj = nn.Linear(config.hidden_size, config.hidden_size, bias=config.qkv_bias)
-        self.o_proj = nn.Linear(config.hidden_size, config.hidden_size)
+        self.num_kv_heads, self.head_dim = config.head_shape()
+        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=config.qkv_bias)
+        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=config.qkv_bias)
+        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=config.o_proj_bias)
         self.attn_dropout = config.attention_probs_dropout_prob
         # Static per head: no tensor to read on the host (compiled graphs stay whole), none for model.half() to round.
         self.p_values = tuple(config.p_per_layer()[layer_idx])
 
-    def forward(self, hidden_states, attn_mask=None, past_key_values=None, output_attentions=False, document_ids=None):
+    def forward(self, hidden_states, attn_mask=None, past_key_values=None, output_attentions=False,
+                position_embeddings=None, document_ids=None):
         batch, length, _ = hidden_states.shape
-        heads_shape = (batch, length, self.num_heads, self.head_dim)
-        query = self.q_proj(hidden_states).view(heads_shape).transpose(1, 2)  # (B, H, N, d)
-        key = self.k_proj(hidden_states).view(heads_shape).transpose(1, 2)  # (B, H, N, d)
-        value = self.v_proj(hidden_states).view(heads_shape).transpose(1, 2)  # (B, H, N, d)
+        query = self.q_proj(hidden_states).view(batch, length, -1, self.head_dim).transpose(1, 2)  # (B, H, N, d)
+        key = self.k_proj(hidden_states).view(batch, length, -1, self.head_dim).transpose(1, 2)  # (B, H_kv, N, d)
+        value = self.v_proj(hidden_states).view(batch, length, -1, self.head_dim).transpose(1, 2)  # (B, H_kv, N, d)
+        if position_embeddings is not None:
+            query, key = apply_rotary(query, *position_embeddings), apply_rotary(key, *position_embeddings)
         if past_key_values is not None:
-            key, value = past_key_values.update(key, value, self.layer_idx)  # (B, H, T, d)
-
-        attend = dict(p=self.p_values, attn_mask=attn_mask, is_causal=self.is_causal, document_ids=document_ids,
-                      eps=self.config.plap_eps, formulation=self.config.plap_formulation)
-        dropout = self.attn_dropout if self.training else 0.0
-        if output_attentions or dropout > 0:
-            # Only the reference materialises the (B, H, N, T) weights that these two need.
-            attn_output, weights = plap_attention_eager(
-                query, key, value, **attend, dropout=dropout, output_attentions=output_attentions
-            )
-        else:
-            attn_output, weights = plap_attention(query, key, value, **attend, backend=self.config.plap_backend), None
+            key, value = past_key_values.update(key, value, self.layer_idx)  # (B, H_kv, T, d)
+        repeats = self.num_heads // self.num_kv_heads
+        key, value = repeat_kv(key, repeats), repeat_kv(value, repeats)  # (B, H, T, d)
+        attn_output, weights = self.attend(query, key, value, attn_mask, document_ids, output_attentions)
         attn_output = attn_output.transpose(1, 2).reshape(batch, length, -1)  # (B, N, H * d)
         return self.o_proj(attn_output), weights
 
+    def attend(self, query, key, value, attn_mask, document_ids, output_attentions):
+        """(output (B, H, N, d), effective weights (B, H, N, T) or None): the one call into the attention functions."""
+        options = dict(p=self.p_values, attn_mask=attn_mask, is_causal=self.is_causal, document_ids=document_ids,
+                       eps=self.config.plap_eps, formulation=self.config.plap_formulation)
+        dropout = self.attn_dropout if self.training else 0.0
+        if output_attentions or dropout > 0:
+            # Only the reference materialises the (B, H, N, T) weights that these two need.
+            return plap_attention_eager(query, key, value, **options, dropout=dropout,
+                                        output_attentions=output_attentions)  # fmt: skip
+        return plap_attention(query, key, value, **options, backend=self.config.plap_backend), None
+
 
 class PlatMLP(nn.Module):
+    """GPT-2 / ViT MLP: fc2(act(fc1(x)))."""
+
     def __init__(self, config: PlatConfigBase):
         super().__init__()
-        self.fc1 = nn.Linear(config.hidden_size, config.intermediate_size)
+        self.fc1 = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
         self.act = ACT2FN[config.hidden_act]
-        self.fc2 = nn.Linear(config.intermediate_size, config.hidden_size)
+        self.fc2 = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, hidden_states):
         return self.fc2(self.act(self.fc1(hidden_states)))
 
 
+class PlatGatedMLP(nn.Module):
+    """Llama's gated MLP (SwiGLU with silu): down_proj(act(gate_proj(x)) * up_proj(x))."""
+
+    def __init__(self, config: PlatConfigBase):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
+        self.act = ACT2FN[config.hidden_act]
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+
+    def forward(self, hidden_states):
+        return self.down_proj(self.act(self.gate_proj(hidden_states)) * self.up_proj(hidden_states))
+
+
+MLPS = {"plain": PlatMLP, "gated": PlatGatedMLP}
+
+
 class PlatLayer(GradientCheckpointingLayer):
-    """Pre-LayerNorm transformer block: x + Attn(LN(x)), then x + MLP(LN(x))."""
+    """Pre-norm transformer block: x + Attn(Norm(x)), then x + MLP(Norm(x))."""
 
     def __init__(self, config: PlatConfigBase, layer_idx: int, is_causal: bool):
         super().__init__()
-        self.attn_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.attn_norm = make_norm(config)
         self.attention = PlatAttention(config, layer_idx, is_causal)
-        self.mlp_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.mlp = PlatMLP(config)
+        self.mlp_norm = make_norm(config)
+        self.mlp = MLPS[config.mlp_type](config)
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
 
-    def forward(self, hidden_states, attn_mask=None, past_key_values=None, output_attentions=False):
+    def forward(self, hidden_states, attn_mask=None, past_key_values=None, output_attentions=False,
+                position_embeddings=None, document_ids=None):
         attn_output, weights = self.attention(
-            self.attn_norm(hidden_states), attn_mask, past_key_values, output_attentions
+            self.attn_norm(hidden_states), attn_mask, past_key_values, output_attentions, position_embeddings,
+            document_ids,
         )
         hidden_states = hidden_states + self.dropout(attn_output)
         hidden_states = hidden_states + self.dropout(self.mlp(self.mlp_norm(hidden_states)))
         return hidden_states, weights
 
 
-def run_layers(layers, hidden_states, attn_mask, past_key_values, output_attentions, output_hidden_states):
+def run_layers(layers, hidden_states, attn_mask, past_key_values, output_attentions, output_hidden_states,
+               position_embeddings=None, document_ids=None):
     """The stack of blocks shared by both trunks; collects hidden states and weights when asked."""
     all_hidden_states = (hidden_states,) if output_hidden_states else None
     all_attentions = () if output_attentions else None
     for layer in layers:
         hidden_states, weights = layer(
-            hidden_states, attn_mask=attn_mask, past_key_values=past_key_values, output_attentions=output_attentions
+            hidden_states, attn_mask=attn_mask, past_key_values=past_key_values, output_attentions=output_attentions,
+            position_embeddings=position_embeddings, document_ids=document_ids,
         )
         if output_attentions:
             all_attentions += (weights,)
@@ -191,30 +290,43 @@ class PlatPreTrainedModel(PreTrainedModel):
             init.normal_(module.o_proj.weight, mean=0.0, std=std / math.sqrt(2 * self.config.num_hidden_layers))
         elif isinstance(module, PlatMLP):
             init.normal_(module.fc2.weight, mean=0.0, std=std / math.sqrt(2 * self.config.num_hidden_layers))
+        elif isinstance(module, PlatGatedMLP):
+            init.normal_(module.down_proj.weight, mean=0.0, std=std / math.sqrt(2 * self.config.num_hidden_layers))
+        elif isinstance(module, PlatRotaryEmbedding):
+            init.copy_(module.inv_freq, module.compute_inv_freq())
         elif isinstance(module, PlatVisionEmbeddings):
             init.trunc_normal_(module.position_embeddings, mean=0.0, std=std)
             init.trunc_normal_(module.cls_token, mean=0.0, std=std)
 
 
 def _check_range(name, tensor, low, high, hint):
-    """Clear error for indices outside [low, high), skipped while compiling (data-dependent)."""
-    if torch.compiler.is_compiling() or tensor.numel() == 0:
+    """Clear error for indices outside [low, high); ``hint`` is a string or a function that makes one (formatting
+    sizes into a message ahead of time would fix symbolic sizes under torch.compile).
+
+    Only for CPU tensors outside compilation: reading a GPU tensor's values would synchronise the host on every
+    forward (every generated token), and a compiled graph cannot branch on values.
+    """
+    if tensor.device.type != "cpu" or torch.compiler.is_compiling() or tensor.numel() == 0:
         return
     lowest, highest = int(tensor.min()), int(tensor.max())
     if lowest < low or highest >= high:
+        hint = hint() if callable(hint) else hint
         raise ValueError(f"{name} must lie in [{low}, {high - 1}] ({hint}); got values in [{lowest}, {highest}]")
 
 
 class PlatModel(PlatPreTrainedModel):
-    """Decoder-only p-LaT trunk: token + learned position embeddings, causal pre-LN blocks, final LayerNorm."""
+    """Decoder-only p-LaT trunk: token embeddings, learned (GPT-2) or rotary (Llama) positions, causal pre-norm
+    blocks, a final norm."""
 
     def __init__(self, config: PlatConfig):
         super().__init__(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.embed_positions = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+        learned = config.position_embedding_type == "learned"
+        self.embed_positions = nn.Embedding(config.max_position_embeddings, config.hidden_size) if learned else None
+        self.rotary_emb = None if learned else PlatRotaryEmbedding(config)
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
         self.layers = nn.ModuleList(PlatLayer(config, i, is_causal=True) for i in range(config.num_hidden_layers))
-        self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.norm = make_norm(config)
         self.gradient_checkpointing = False
         self.post_init()
 
@@ -223,6 +335,38 @@ class PlatModel(PlatPreTrainedModel):
 
     def set_input_embeddings(self, value):
         self.embed_tokens = value
+
+    def _check_text_inputs(self, input_ids, inputs_embeds, attention_mask, past_key_values):
+        """Raise a ValueError naming the input for ids, embeddings, a mask or a cache the model cannot read."""
+        if past_key_values is not None and past_key_values.is_compileable:
+            # A static cache hands back its whole fixed length, empty slots included, and p-LaT's attention
+            # aligns queries with the last cached keys.
+            raise ValueError(
+                "p-LaT needs a DynamicCache: a static (fixed-size) cache such as generate(cache_implementation="
+                "'static') is not supported"
+            )
+        past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("Pass exactly one of input_ids or inputs_embeds")
+        if input_ids is not None:
+            if input_ids.dim() != 2:
+                raise ValueError(f"input_ids must be (batch, length); got shape {tuple(input_ids.shape)}")
+            _check_range("input_ids", input_ids, 0, self.config.vocab_size, "vocab_size")
+            batch, length = input_ids.shape
+        else:
+            if inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != self.config.hidden_size:
+                raise ValueError(
+                    f"inputs_embeds must be (batch, length, {self.config.hidden_size}); "
+                    f"got {tuple(inputs_embeds.shape)}"
+                )
+            batch, length = inputs_embeds.shape[:2]
+        if length == 0:
+            raise ValueError("Empty input: the sequence length is 0")
+        if attention_mask is not None and attention_mask.shape != (batch, past_length + length):
+            raise ValueError(
+                f"attention_mask must have shape (batch, past + new tokens) = {(batch, past_length + length)}; "
+                f"got {tuple(attention_mask.shape)}"
+            )
 
     @can_return_tuple
     def forward(
@@ -241,55 +385,52 @@ class PlatModel(PlatPreTrainedModel):
         input_ids (`torch.LongTensor` of shape `(B, N)`) or inputs_embeds (`(B, N, hidden_size)`): the new tokens.
         attention_mask (`(B, past + N)`, 1 = real token, 0 = padding): left or right padding.
         position_ids (`(B, N)`): defaults to the count of real tokens before each one, so left padding
-            gives the same logits as no padding.
+            gives the same logits as no padding. Positions that restart at 0 after a real token mark packed
+            documents (transformers' `DataCollatorWithFlattening`), as do `cu_seq_lens_q` / `cu_seq_lens_k`
+            among the keyword arguments: each document then attends only within itself, and no cache is kept.
         """
         output_attentions = self.config.output_attentions if output_attentions is None else output_attentions
         output_hidden_states = (
             self.config.output_hidden_states if output_hidden_states is None else output_hidden_states
         )
         use_cache = self.config.use_cache if use_cache is None else use_cache
-        if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("Pass exactly one of input_ids or inputs_embeds")
-        if input_ids is not None:
-            if input_ids.dim() != 2:
-                raise ValueError(f"input_ids must be (batch, length); got shape {tuple(input_ids.shape)}")
-            _check_range("input_ids", input_ids, 0, self.config.vocab_size, "vocab_size")
-            inputs_embeds = self.embed_tokens(input_ids)
-        elif inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != self.config.hidden_size:
-            raise ValueError(
-                f"inputs_embeds must be (batch, length, {self.config.hidden_size}); got {tuple(inputs_embeds.shape)}"
-            )
-        batch, length = inputs_embeds.shape[:2]
-        if length == 0:
-            raise ValueError("Empty input: the sequence length is 0")
-
+        self._check_text_inputs(input_ids, inputs_embeds, attention_mask, past_key_values)
+        batch, length = input_ids.shape if input_ids is not None else inputs_embeds.shape[:2]
+        documents = packed_document_ids(
+            position_ids, attention_mask, kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k"), batch=batch,
+            length=length, cache_given=past_key_values is not None,
+        )  # fmt: skip
+        use_cache = use_cache and documents is None  # a cache of packed rows would attend across documents
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache(config=self.config)
         past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
-        total_length = past_length + length
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        length = inputs_embeds.shape[1]
 
         if attention_mask is not None:
-            if attention_mask.shape != (batch, total_length):
-                raise ValueError(
-                    f"attention_mask must have shape (batch, past + new tokens) = {(batch, total_length)}; "
-                    f"got {tuple(attention_mask.shape)}"
-                )
             attention_mask = attention_mask.bool()
         if position_ids is None:
             if attention_mask is not None:
                 position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)[:, past_length:]  # (B, N)
             else:
-                position_ids = torch.arange(past_length, total_length, device=inputs_embeds.device)[None]  # (1, N)
-        _check_range(
-            "position_ids", position_ids, 0, self.config.max_position_embeddings,
-            f"the sequence (past {past_length} + new {length} tokens) may not be longer than "
-            "max_position_embeddings",
-        )
+                position_ids = torch.arange(past_length, past_length + length, device=inputs_embeds.device)[None]
 
-        hidden_states = self.dropout(inputs_embeds + self.embed_positions(position_ids))
+        hidden_states, position_embeddings = inputs_embeds, None
+        if self.embed_positions is not None:
+            _check_range(
+                "position_ids", position_ids, 0, self.config.max_position_embeddings,
+                lambda: f"the sequence (past {past_length} + new {length} tokens) may not be longer than "
+                "max_position_embeddings",
+            )
+            hidden_states = hidden_states + self.embed_positions(position_ids)
+        else:
+            position_embeddings = self.rotary_emb(hidden_states, position_ids)  # (cos, sin), each (B|1, N, d)
+        hidden_states = self.dropout(hidden_states)
         attn_mask = attention_mask[:, None, None, :] if attention_mask is not None else None  # (B, 1, 1, T)
         hidden_states, all_hidden_states, all_attentions = run_layers(
-            self.layers, hidden_states, attn_mask, past_key_values, output_attentions, output_hidden_states
+            self.layers, hidden_states, attn_mask, past_key_values, output_attentions, output_hidden_states,
+            position_embeddings, documents,
         )
         hidden_states = self.norm(hidden_states)
         if output_hidden_states:
@@ -340,6 +481,7 @@ class PlatForCausalLM(PlatPreTrainedModel, GenerationMixin):
             output_attentions=output_attentions,
             output_hidden_states=output_hidden_states,
             return_dict=True,
+            **kwargs,  # cu_seq_lens_q / cu_seq_lens_k of packed rows
         )
         hidden_states = outputs.last_hidden_state
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
@@ -420,7 +562,7 @@ class PlatVisionModel(PlatVisionPreTrainedModel):
         super().__init__(config)
         self.embeddings = PlatVisionEmbeddings(config)
         self.layers = nn.ModuleList(PlatLayer(config, i, is_causal=False) for i in range(config.num_hidden_layers))
-        self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.norm = make_norm(config)
         self.gradient_checkpointing = False
         self.post_init()
 

@@ -27,7 +27,7 @@ def _from_boundaries(cu_seq_lens_q, cu_seq_lens_k, batch, length):
     return torch.searchsorted(bounds[1:-1], positions, right=True)[None]  # (1, N)
 
 
-def document_ids(position_ids=None, attention_mask=None, cu_seq_lens_q=None, cu_seq_lens_k=None, *, batch, length,
+def packed_document_ids(position_ids=None, attention_mask=None, cu_seq_lens_q=None, cu_seq_lens_k=None, *, batch, length,
                  cache_given):
     """(B, N) document index of every new token of packed rows, or None when the rows are not packed.
 

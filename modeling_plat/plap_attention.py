@@ -16,7 +16,9 @@ import math
 import torch
 import torch.nn.functional as F
 
-from . import plap_attention_decode, plap_attention_tiled, plap_attention_triton
+from .plap_attention_decode import DECODE_MAX_QUERIES, decode_unsupported_reason, plap_attention_decode
+from .plap_attention_tiled import plap_attention_tiled
+from .plap_attention_triton import plap_attention_triton, triton_unsupported_reason
 from .plap_attention_reference import FORMULATIONS, allowed_positions, plap_attention_eager
 
 # On CPU the eager backend beats the tiled one up to this many scores (B * H * Nq * Nk of the heads with p != 2)
@@ -51,13 +53,9 @@ def _eager(query, key, value, **kwargs):
 
 REGISTRY = {
     "eager": Backend("eager", _eager, tuple(FORMULATIONS), differentiates_p=True),
-    "decode": Backend("decode", plap_attention_decode.plap_attention_decode, ("paper", "euler"),
-                      limits=plap_attention_decode.decode_unsupported_reason),
-    "tiled": Backend("tiled", plap_attention_tiled.plap_attention_tiled, ("paper", "euler")),
-    # Module attributes looked up per call, so that tests can stand in for a missing Triton.
-    "triton": Backend("triton", lambda *args, **kwargs: plap_attention_triton.plap_attention_triton(*args, **kwargs),
-                      ("paper", "euler"),
-                      limits=lambda *args, **kwargs: plap_attention_triton.triton_unsupported_reason(*args, **kwargs)),
+    "decode": Backend("decode", plap_attention_decode, ("paper", "euler"), limits=decode_unsupported_reason),
+    "tiled": Backend("tiled", plap_attention_tiled, ("paper", "euler")),
+    "triton": Backend("triton", plap_attention_triton, ("paper", "euler"), limits=triton_unsupported_reason),
 }
 BACKENDS = ("auto", *REGISTRY)
 
@@ -76,7 +74,7 @@ def preference(query, key):
     """
     if torch.compiler.is_exporting():
         return ("eager",)
-    if query.shape[-2] <= plap_attention_decode.DECODE_MAX_QUERIES:
+    if query.shape[-2] <= DECODE_MAX_QUERIES:
         return ("decode", "eager")
     if query.device.type == "cuda":
         return ("triton", "tiled", "eager")
@@ -211,7 +209,8 @@ def softmax_attention(query, key, value, *, attn_mask=None, is_causal=False, doc
     with torch.autocast(query.device.type, enabled=False):
         key, value = key.to(query.dtype), value.to(query.dtype)
         if allowed is None:
-            return F.scaled_dot_product_attention(query, key, value, is_causal=sdpa_causal)
+            # A literal: under torch.compile and torch.export the lengths are symbols, and SDPA takes a plain bool.
+            return F.scaled_dot_product_attention(query, key, value, is_causal=True if sdpa_causal else False)
         has_key = allowed.any(-1, keepdim=True)
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=allowed | ~has_key)
         return torch.where(has_key, out, 0)

@@ -28,7 +28,7 @@ class ModelArguments:
     model_name_or_path: str | None = field(
         default=None,
         metadata={"help": "A saved model (folder or Hub id) to fine-tune or evaluate: a p-LaT checkpoint, or a "
-                          "transformers GPT-2 / ViT / DeiT one, converted to p-LaT on load."},
+                          "transformers GPT-2 / Llama / Qwen2 / Mistral / ViT / DeiT one, converted to p-LaT on load."},
     )
     config_overrides: str | None = field(
         default=None,

@@ -1,8 +1,10 @@
-"""Command line: convert a transformers GPT-2 / ViT / DeiT checkpoint to p-LaT and save it, with its tokenizer or
-image processor and a model card. The library function is ``modeling_plat.convert.convert_to_plat``.
+"""Command line: convert a transformers GPT-2 / Llama / Qwen2 / Mistral / ViT / DeiT checkpoint to p-LaT and save it,
+with its tokenizer or image processor and a model card. The library function is
+``modeling_plat.convert.convert_to_plat``.
 
     plat-convert --source facebook/deit-tiny-patch16-224 --output plat-deit-tiny-init \
         --config_overrides "plap_p=[1.5,1.5,2.5]"
+    plat-convert --source HuggingFaceTB/SmolLM2-135M --output plat-smollm2-135m-init
 """
 
 import argparse
@@ -17,13 +19,15 @@ from .model_cards import current_command, write_model_card
 from .model_setup import build_config
 
 # The job whose config a source family converts to, and what carries its preprocessing.
-FAMILIES = {"gpt2": ("text-generation", AutoTokenizer), "vit": ("image-classification", AutoImageProcessor)}
+TEXT, VISION = ("text-generation", AutoTokenizer), ("image-classification", AutoImageProcessor)
+FAMILIES = {"gpt2": TEXT, "llama": TEXT, "qwen2": TEXT, "mistral": TEXT, "vit": VISION}
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="plat-convert", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--source", required=True, help="path or hub id of a GPT-2 or ViT / DeiT checkpoint")
+    parser.add_argument("--source", required=True,
+                        help="path or hub id of a GPT-2, Llama, Qwen2, Mistral or ViT / DeiT checkpoint")
     parser.add_argument("--output", required=True, help="folder to save the p-LaT checkpoint in")
     parser.add_argument("--config_overrides", default=None,
                         help="p-LaT config fields, e.g. 'plap_p=[1.5,1.5,2.5],plap_formulation=euler' "

@@ -42,11 +42,27 @@ SPLITS = {"test": "test", "eval": "validation"}
 FRAMEWORKS = ("plat-transformers", "transformers", "torch", "datasets", "tokenizers")
 
 
+def _shape_line(config, task):
+    """One line naming the block shape: GPT-2-style or Llama-style decoder (with GQA when it has it), or ViT."""
+    if task != "text-generation":
+        return "ViT-style encoder: patches, a [CLS] token, learned positions, pre-LayerNorm blocks, GELU MLP."
+    num_kv_heads, _ = config.head_shape()
+    rope = config.position_embedding_type == "rope"
+    style = "Llama-style" if rope else "GPT-2-style"
+    attention = (f"GQA ({config.num_attention_heads} query heads over {num_kv_heads} key/value heads)"
+                 if num_kv_heads < config.num_attention_heads else "multi-head attention")
+    positions = f"rotary positions (theta {config.rope_parameters['rope_theta']:g})" if rope else "learned positions"
+    norm = "RMSNorm" if config.norm_type == "rmsnorm" else "LayerNorm"
+    mlp = f"gated {config.hidden_act} MLP" if config.mlp_type == "gated" else f"{config.hidden_act} MLP"
+    return f"{style} decoder, {attention}: {positions}, pre-{norm} blocks, {mlp}."
+
+
 def _architecture_lines(config, task):
     rows = [
         ("layers", config.num_hidden_layers),
         ("hidden size", config.hidden_size),
         ("attention heads", config.num_attention_heads),
+        ("key/value heads", config.head_shape()[0]),
         ("MLP size", config.intermediate_size),
     ]
     if task == "text-generation":
@@ -61,7 +77,7 @@ def _architecture_lines(config, task):
         p_text = f"p per head (all layers): {per_layer[0]}"
     else:
         p_text = "p per layer and head:\n\n" + "\n".join(f"- layer {i}: {row}" for i, row in enumerate(per_layer))
-    return "\n".join(table) + "\n\n" + p_text
+    return _shape_line(config, task) + "\n\n" + "\n".join(table) + "\n\n" + p_text
 
 
 def _format(value):

@@ -2,7 +2,8 @@
 
 The config comes from a preset or config path (``--config_name``), a saved model (``--model_name_or_path``)
 or the family's defaults, with ``--config_overrides`` applied on top; the weights are new, a saved p-LaT
-model's, or a stock transformers GPT-2 / ViT / DeiT checkpoint's, converted to p-LaT on load.
+model's, or a stock transformers GPT-2 / Llama / Qwen2 / Mistral / ViT / DeiT checkpoint's, converted to p-LaT on
+load.
 """
 
 import json
@@ -61,8 +62,8 @@ def build_config(model_args, task, default_config_name=None, **fields):
     """The p-LaT config a job trains, with ``--config_overrides`` and ``fields`` (e.g. num_labels) applied.
 
     Source, first match wins: ``--config_name`` (a preset or path), ``--model_name_or_path`` (a saved
-    p-LaT model's config, or the p-LaT equivalent of a stock GPT-2 / ViT one), ``default_config_name``, or
-    the task's config class with its defaults. Unknown override fields are an error.
+    p-LaT model's config, or the p-LaT equivalent of a stock GPT-2 / Llama / Qwen2 / Mistral / ViT one),
+    ``default_config_name``, or the task's config class with its defaults. Unknown override fields are an error.
     """
     config_class = TASKS[task][1]
     overrides = parse_config_overrides(model_args.config_overrides or "")
@@ -79,7 +80,8 @@ def build_config(model_args, task, default_config_name=None, **fields):
             config = plat_config_for(config)
         if not is_plat(config):
             raise ValueError(
-                f"{source} is a {config.model_type!r} model: give a p-LaT one, or a GPT-2 or ViT checkpoint to convert"
+                f"{source} is a {config.model_type!r} model: give a p-LaT one, or a GPT-2, Llama, Qwen2, Mistral or "
+                "ViT checkpoint to convert"
             )
         if not isinstance(config, config_class):
             raise ValueError(f"{source} is a {type(config).__name__}, not the {config_class.__name__} that {task} needs")

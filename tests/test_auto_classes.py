@@ -1,6 +1,6 @@
 """A user's path through transformers with saved vision checkpoints: the Auto classes, the image processor and
-both image pipelines, with the plugin imported and, in a fresh process, without it (remote code); and vision
-checkpoints saved before the vision family had its own config type."""
+both image pipelines, with the plugin imported and, in a fresh process, without it (remote code); and each family
+with its own config type."""
 
 import json
 import textwrap
@@ -124,27 +124,6 @@ def test_text_folder_still_gives_the_text_trunk(tmp_path):
     PlatForCausalLM(PlatConfig(vocab_size=20, hidden_size=16, num_hidden_layers=1, num_attention_heads=2)).save_pretrained(tmp_path)
     assert type(AutoModel.from_pretrained(tmp_path)) is PlatModel
     assert type(AutoModelForCausalLM.from_pretrained(tmp_path)) is PlatForCausalLM
-
-
-def test_vision_checkpoint_saved_with_the_shared_config_type_loads_as_vision(vision_folder, tmp_path, caplog):
-    """Before the vision family had its own type, its checkpoints said model_type 'plat' and carried the text
-    fields too: they load as the vision family, never as a random text trunk, and re-save in the new format."""
-    folder, model, _ = vision_folder
-    old = tmp_path / "old"
-    model.save_pretrained(old)
-    config = json.loads((old / "config.json").read_text())
-    config.update(model_type="plat", vocab_size=10000, max_position_embeddings=256, use_cache=True,
-                  tie_word_embeddings=True)
-    (old / "config.json").write_text(json.dumps(config))
-
-    trunk = AutoModel.from_pretrained(old)
-    assert type(trunk) is PlatVisionModel and "saved before the vision family" in caplog.text
-    for name, tensor in trunk.state_dict().items():
-        assert torch.equal(tensor, model.vit.state_dict()[name]), name
-    head = AutoModelForImageClassification.from_pretrained(old)
-    assert type(head) is PlatForImageClassification and not hasattr(head.config, "vocab_size")
-    head.save_pretrained(tmp_path / "new")
-    assert json.loads((tmp_path / "new" / "config.json").read_text())["model_type"] == "plat_vision"
 
 
 def test_each_family_has_its_own_config_type():

@@ -61,7 +61,8 @@ def test_model_configs_load_and_twins_differ_only_in_p(path):
 
 @pytest.mark.parametrize("path", RECIPES, ids=lambda path: path.stem)
 def test_recipes_parse_for_their_job(path):
-    text = "ptb" in path.stem
+    model = json.loads(Path(presets.resolve_config_name(yaml.safe_load(path.read_text())["config_name"])).read_text())
+    text = model["architectures"] == ["PlatForCausalLM"]
     job = (TextModelArguments, TextDataArguments) if text else (ImageModelArguments, ImageDataArguments,
                                                                   AugmentArguments)
     model_args = parse_args(HfArgumentParser((*job, PlatTrainingArguments)), [path.name])[0]

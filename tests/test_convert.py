@@ -1,12 +1,26 @@
 """convert_to_plat and its command line: same weights, same outputs at p = 2, clear errors otherwise."""
 
+import copy
 import json
 import subprocess
 import sys
 
 import pytest
 import torch
-from transformers import DeiTConfig, DeiTForImageClassification, GPT2Config, GPT2LMHeadModel, ViTConfig, ViTModel
+from transformers import (
+    DeiTConfig,
+    DeiTForImageClassification,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    ViTConfig,
+    ViTModel,
+)
 
 from modeling_plat import PlatForCausalLM, PlatVisionModel
 from modeling_plat.convert import convert_to_plat
@@ -14,6 +28,68 @@ from tiny import train_losses
 
 VIT = dict(num_hidden_layers=2, hidden_size=24, num_attention_heads=3, intermediate_size=48, image_size=16,
            patch_size=4)
+
+
+DECODER = dict(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+               max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+# GQA with 1, 2 and all 4 key/value heads; tied and untied embeddings; Qwen2's q/k/v biases; a non-default rope_theta;
+# Llama with every attention and MLP bias and a head_dim that is not hidden / heads.
+LLAMA_FAMILY = {
+    "llama-gqa2-theta": (LlamaForCausalLM, LlamaConfig(**DECODER, num_key_value_heads=2, rope_theta=5e5)),
+    "llama-biases-head_dim": (LlamaForCausalLM, LlamaConfig(**DECODER, num_key_value_heads=2, head_dim=12,
+                                                            attention_bias=True, mlp_bias=True)),
+    "qwen2-mqa-tied": (Qwen2ForCausalLM, Qwen2Config(**DECODER, num_key_value_heads=1, tie_word_embeddings=True)),
+    "mistral-mha": (MistralForCausalLM, MistralConfig(**DECODER, num_key_value_heads=4, sliding_window=None)),
+}
+
+
+def llama_family(name):
+    """A transformers Llama-family model with random weights, its biases (if any) non-zero."""
+    model_class, config = LLAMA_FAMILY[name]
+    torch.manual_seed(0)
+    model = model_class(copy.deepcopy(config)).eval()
+    with torch.no_grad():
+        for param_name, param in model.named_parameters():
+            if param_name.endswith("bias"):
+                param.normal_(std=0.1)
+    return model
+
+
+@pytest.mark.parametrize("name", sorted(LLAMA_FAMILY))
+def test_llama_family_converts_exactly_at_p2(name):
+    source = llama_family(name)
+    plat = convert_to_plat(source, plap_p=2.0)
+    config = plat.config
+    assert config.num_key_value_heads == source.config.num_key_value_heads
+    assert config.rope_parameters["rope_theta"] == source.config.rope_parameters["rope_theta"]
+    assert (plat.lm_head.weight is plat.model.embed_tokens.weight) == source.config.tie_word_embeddings
+    ids = torch.randint(3, 61, (3, 11))
+    torch.testing.assert_close(plat(ids).logits, source(ids).logits, rtol=1e-5, atol=1e-5)
+    mask = torch.ones_like(ids)
+    mask[1, :4] = mask[2, :2] = 0  # left padding
+    padded, expected = plat(ids, attention_mask=mask).logits, source(ids, attention_mask=mask).logits
+    torch.testing.assert_close(padded[mask.bool()], expected[mask.bool()], rtol=1e-5, atol=1e-5)
+    greedy = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, use_cache=True)
+    assert torch.equal(plat.generate(ids, **greedy), source.generate(ids, **greedy))
+    assert not torch.allclose(convert_to_plat(source)(ids).logits, source(ids).logits, atol=1e-3)
+
+
+@pytest.mark.parametrize("model_class, config, field", [
+    (MistralForCausalLM, MistralConfig(**DECODER, num_key_value_heads=2, sliding_window=16), "sliding_window=16"),
+    (Qwen2ForCausalLM, Qwen2Config(**DECODER, use_sliding_window=True, sliding_window=16, max_window_layers=1),
+     "sliding_window=16"),
+    (LlamaForCausalLM, LlamaConfig(**DECODER, rope_parameters={"rope_type": "linear", "factor": 2.0,
+                                                               "rope_theta": 1e4}), "rope_type 'linear'"),
+    (LlamaForCausalLM, LlamaConfig(**DECODER, rope_parameters={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32, "rope_theta": 1e4}), "rope_type 'llama3'"),
+])
+def test_unrepresentable_llama_family_settings_are_refused_before_copying(model_class, config, field, monkeypatch):
+    torch.manual_seed(0)
+    source = model_class(config)
+    monkeypatch.setattr(PlatForCausalLM, "load_state_dict", lambda *a, **k: pytest.fail("weights were copied"))
+    with pytest.raises(ValueError, match=field):
+        convert_to_plat(source)
 
 
 def tiny_gpt2():
@@ -48,6 +124,21 @@ def test_unsupported_sources_raise_clear_errors():
                                      scale_attn_by_inverse_layer_idx=True, bos_token_id=0, eos_token_id=0))
     with pytest.raises(ValueError, match="scale_attn_by_inverse_layer_idx"):
         convert_to_plat(odd)
+
+
+def test_cli_converts_a_qwen2_checkpoint(tmp_path):
+    source, output = tmp_path / "qwen2", tmp_path / "plat"
+    qwen2 = llama_family("qwen2-mqa-tied")
+    qwen2.save_pretrained(source)
+    result = subprocess.run(
+        [sys.executable, "-m", "plat_train.convert", "--source", str(source), "--output", str(output),
+         "--config_overrides", "plap_p=2.0"], capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Llama-style" in (output / "README.md").read_text()
+    plat = PlatForCausalLM.from_pretrained(output).eval()
+    ids = torch.randint(3, 61, (2, 9))
+    torch.testing.assert_close(plat(ids).logits, qwen2(ids).logits, rtol=1e-5, atol=1e-5)
 
 
 def test_cli_round_trip(tmp_path):

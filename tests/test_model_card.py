@@ -12,17 +12,17 @@ from modeling_plat import PlatConfig, PlatForCausalLM
 from huggingface_hub import ModelCard
 
 from plat_train.model_cards import PTB_DATASET, model_card, write_model_card
-from tiny import run_without_plugin
+from tiny import LLAMA_SHAPE, TEXT_SHAPES, run_without_plugin, text_config
 
 
-def save_tiny_lm(folder):
+def save_tiny_lm(folder, **shape):
     words = ["<unk>", "<eos>", "the", "cat", "sat", "on", "mat", "a", "dog"]
     backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", eos_token="<eos>")
     torch.manual_seed(0)
     config = PlatConfig(vocab_size=len(words), hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-                        plap_p=[1.5, 2.5], max_position_embeddings=64, eos_token_id=1, pad_token_id=1)
+                        plap_p=[1.5, 2.5], max_position_embeddings=64, eos_token_id=1, pad_token_id=1, **shape)
     PlatForCausalLM(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return config
@@ -68,9 +68,18 @@ def test_card_rejects_unknown_task():
         model_card(PlatConfig(), "translation", "x")
 
 
-def test_text_snippet_runs_as_printed_without_the_plugin(tmp_path):
+def test_architecture_line_names_the_decoder_shape():
+    llama = model_card(text_config(**LLAMA_SHAPE), "text-generation", "x").content
+    assert ("Llama-style decoder, GQA (4 query heads over 2 key/value heads): rotary positions (theta 500), "
+            "pre-RMSNorm blocks, gated silu MLP." in llama)
+    gpt2 = model_card(text_config(), "text-generation", "x").content
+    assert "GPT-2-style decoder, multi-head attention: learned positions, pre-LayerNorm blocks, gelu MLP." in gpt2
+
+
+@pytest.mark.parametrize("shape", sorted(TEXT_SHAPES))
+def test_text_snippet_runs_as_printed_without_the_plugin(tmp_path, shape):
     folder = tmp_path / "plat-tiny"
-    config = save_tiny_lm(folder)
+    config = save_tiny_lm(folder, **TEXT_SHAPES[shape])
     card = write_model_card(folder, config, "text-generation", prompt="the cat")
     snippet = re.search(r"```python\n(.*?)```", card.read_text(), re.S).group(1)
     result = run_without_plugin(snippet, tmp_path)

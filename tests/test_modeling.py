@@ -3,6 +3,7 @@
 import copy
 import json
 import logging
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,7 +28,15 @@ from modeling_plat import (
     plap_attention_weights,
 )
 from modeling_plat.convert import convert_to_plat
-from tiny import classifier, lm, text_config, train_losses
+from modeling_plat.modeling_plat import apply_rotary
+from reference import reference_plap_attention
+from tiny import LLAMA_SHAPE, TEXT_SHAPES, classifier, lm, text_config, train_losses
+
+
+@pytest.fixture(params=sorted(TEXT_SHAPES))
+def shape(request):
+    """The language model's config fields of one decoder shape (GPT-2 or Llama), for the tests of both."""
+    return TEXT_SHAPES[request.param]
 
 
 # ---------------------------------------------------------------- config
@@ -58,6 +67,92 @@ def test_config_round_trips_through_json(tmp_path):
     assert reloaded.dtype == torch.bfloat16 and reloaded.num_labels == 3
 
 
+def test_llama_shape_config_fields(tmp_path):
+    config = text_config(**LLAMA_SHAPE)
+    assert config.rope_parameters == {"rope_type": "default", "rope_theta": 500.0}
+    config.save_pretrained(tmp_path)
+    reloaded = AutoConfig.from_pretrained(tmp_path)
+    assert reloaded.to_dict() | {"_name_or_path": ""} == config.to_dict() | {"_name_or_path": ""}
+    assert config.head_shape() == (2, 8) and text_config().head_shape() == (4, 8)
+    assert text_config().rope_parameters is None  # learned positions carry no rotary settings
+    legacy = text_config(position_embedding_type="rope", rope_scaling={"type": "default", "rope_theta": 1e6})
+    assert legacy.rope_parameters == {"rope_type": "default", "rope_theta": 1e6}
+    wide = text_config(**LLAMA_SHAPE, head_dim=12)  # head_dim need not be hidden_size / heads
+    assert PlatForCausalLM(wide).model.layers[0].attention.q_proj.weight.shape == (48, 32)
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(position_embedding_type="rope", rope_parameters={"rope_type": "yarn", "factor": 4.0}), "'yarn'"),
+    (dict(position_embedding_type="rope", rope_scaling={"type": "linear", "factor": 2.0}), "'linear'"),
+    (dict(rope_theta=1e4), "position_embedding_type='rope'"),
+    (dict(position_embedding_type="alibi"), "position_embedding_type"),
+    (dict(num_key_value_heads=3), "num_key_value_heads"),
+    (dict(norm_type="batchnorm"), "norm_type"),
+    (dict(mlp_type="moe"), "mlp_type"),
+    (dict(hidden_act="swishy"), "hidden_act"),
+    (dict(position_embedding_type="rope", head_dim=7), "head_dim must be even"),
+])
+def test_bad_decoder_shapes_are_refused_by_name(fields, message):
+    with pytest.raises(ValueError, match=message):
+        text_config(**fields)
+
+
+def test_fields_set_after_init_are_checked_as_overrides_are():
+    config = text_config(**LLAMA_SHAPE)
+    config.rope_parameters = {"rope_type": "yarn", "factor": 4.0}
+    with pytest.raises(ValueError, match="'yarn'"):
+        config.validate_plat()
+    learned = text_config()
+    learned.position_embedding_type = "rope"
+    learned.validate_plat()
+    assert learned.rope_parameters == {"rope_type": "default", "rope_theta": 10000.0}
+
+
+def test_checkpoint_saved_before_the_llama_shapes_loads_bit_for_bit():
+    """tests/fixtures/plat-lm-3c7952d was saved by the code at commit 3c7952d (GPT-2 shape, no decoder-shape
+    fields in its config.json), with the logits that code computed."""
+    folder = Path(__file__).parent / "fixtures" / "plat-lm-3c7952d"
+    expected = torch.load(folder / "expected.pt")
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    assert "position_embedding_type" not in json.loads((folder / "config.json").read_text())
+    with torch.no_grad():
+        assert torch.equal(model(expected["input_ids"]).logits, expected["logits"])
+
+
+@pytest.mark.parametrize("backend", ["eager", "tiled", "triton"])
+@pytest.mark.parametrize("num_kv_heads", [1, 2, 4])
+def test_grouped_query_attention_matches_the_reference_with_repeated_kv(backend, num_kv_heads):
+    """Each query head reads key/value head h // (H / H_kv) with its own p: the float64 reference on the
+    key/value heads repeated that way. Causal, with a padded row, and a step on top of a cache."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+    model = lm(**LLAMA_SHAPE | dict(num_key_value_heads=num_kv_heads, plap_p=[1.5, 2.5, 1.2, 3.0],
+                                    plap_backend=backend))
+    attention = model.model.layers[0].attention
+    hidden = torch.randn(2, 7, 32)
+    mask = torch.ones(2, 7, dtype=torch.bool)
+    mask[1, :2] = False
+    position_ids = (mask.long().cumsum(-1) - 1).clamp_min(0)
+    rotary = model.model.rotary_emb(hidden, position_ids)
+    with torch.no_grad():
+        out, _ = attention(hidden, mask[:, None, None, :], None, False, rotary)
+        q = apply_rotary(attention.q_proj(hidden).view(2, 7, 4, 8).transpose(1, 2), *rotary)
+        k = apply_rotary(attention.k_proj(hidden).view(2, 7, num_kv_heads, 8).transpose(1, 2), *rotary)
+        v = attention.v_proj(hidden).view(2, 7, num_kv_heads, 8).transpose(1, 2)
+        repeats = 4 // num_kv_heads
+        k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
+        expected = reference_plap_attention(q, k, v, [1.5, 2.5, 1.2, 3.0], mask[:, None, None, :], is_causal=True)
+        expected = attention.o_proj(expected.float().transpose(1, 2).reshape(2, 7, 32))
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_rotary_positions_have_no_length_limit_but_learned_ones_do():
+    ids = torch.randint(2, 61, (1, 50))  # max_position_embeddings is 40
+    assert lm(**LLAMA_SHAPE)(ids).logits.shape == (1, 50, 61)
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        lm()(ids)
+
+
 # ---------------------------------------------------------------- p = 2 is softmax attention
 
 
@@ -84,8 +179,8 @@ def test_p2_classifier_equals_vit():
 # ---------------------------------------------------------------- language model
 
 
-def test_lm_outputs_and_loss():
-    model = lm()
+def test_lm_outputs_and_loss(shape):
+    model = lm(**shape)
     ids = torch.randint(2, 61, (2, 9))
     out = model(ids, labels=ids, output_attentions=True, output_hidden_states=True)
     assert out.logits.shape == (2, 9, 61)
@@ -93,7 +188,7 @@ def test_lm_outputs_and_loss():
     torch.testing.assert_close(out.loss, expected)
     assert isinstance(out.past_key_values, Cache)
     key_cache = out.past_key_values.layers[0].keys
-    assert key_cache.shape == (2, 4, 9, 8)  # (B, heads, T, head_dim)
+    assert key_cache.shape == (2, model.config.head_shape()[0], 9, 8)  # (B, key/value heads, T, head_dim)
     assert len(out.hidden_states) == 3 and len(out.attentions) == 2
     assert out.attentions[0].shape == (2, 4, 9, 9) and out.attentions[0].requires_grad
     as_tuple = model(ids, labels=ids, output_attentions=True, return_dict=False)
@@ -114,9 +209,12 @@ def test_attentions_are_the_effective_weights():
     assert (out.attentions[0][:, :3].sum(-1) - 1).abs().max() > 1e-3  # rows of A * P need not sum to 1
 
 
-def test_incremental_decoding_matches_full_forward():
-    model = lm()
-    ids = torch.randint(2, 61, (2, 12))
+def test_incremental_decoding_matches_full_forward(shape):
+    model = lm(**shape)
+    # Distinct tokens: with rotary positions a repeated token has the same first-layer value, and the rounding of
+    # its D2 ~ 0 (a matmul expansion) differs between a full and a cached forward; the paper formulation's
+    # (D2 + eps)^((p - 2) / 2) amplifies that to ~1e-4 in the logits.
+    ids = torch.stack([torch.randperm(59)[:12] + 2 for _ in range(2)])
     full = model(ids, use_cache=False).logits
     prefix = model(ids[:, :7], use_cache=True)
     cache, steps = prefix.past_key_values, [prefix.logits]
@@ -128,29 +226,29 @@ def test_incremental_decoding_matches_full_forward():
 
 
 @pytest.mark.parametrize("formulation", ["paper", "euler"])
-def test_greedy_generate_with_and_without_cache(formulation):
-    model = lm(plap_formulation=formulation)
+def test_greedy_generate_with_and_without_cache(formulation, shape):
+    model = lm(plap_formulation=formulation, **shape)
     prompt = torch.randint(2, 61, (2, 5))
     cached = model.generate(prompt, max_new_tokens=10, do_sample=False, use_cache=True)
     uncached = model.generate(prompt, max_new_tokens=10, do_sample=False, use_cache=False)
     assert torch.equal(cached, uncached) and cached.shape == (2, 15)
 
 
-def test_sampling_beam_and_assisted_generation_run():
-    model = lm()
+def test_sampling_beam_and_assisted_generation_run(shape):
+    model = lm(**shape)
     prompt = torch.randint(2, 61, (2, 4))
     torch.manual_seed(0)
     assert model.generate(prompt, max_new_tokens=6, do_sample=True, top_k=10).shape == (2, 10)
     beams = model.generate(prompt, max_new_tokens=6, num_beams=3, num_return_sequences=2)
     assert beams.shape == (4, 10)
-    assistant = lm(num_hidden_layers=1)
+    assistant = lm(num_hidden_layers=1, **shape)
     assisted = model.generate(prompt[:1], max_new_tokens=6, do_sample=False, assistant_model=assistant)
     assert torch.equal(assisted, model.generate(prompt[:1], max_new_tokens=6, do_sample=False))
 
 
 @pytest.mark.parametrize("side", ["left", "right"])
-def test_padded_batch_equals_unpadded_runs(side):
-    model = lm(plap_p=[1.1, 1.5, 2.5, 3.0])
+def test_padded_batch_equals_unpadded_runs(side, shape):
+    model = lm(plap_p=[1.1, 1.5, 2.5, 3.0], **shape)
     seqs = [torch.randint(2, 61, (n,)) for n in (9, 5, 7)]
     width = 9
     batch = torch.zeros(3, width, dtype=torch.long)
@@ -165,8 +263,8 @@ def test_padded_batch_equals_unpadded_runs(side):
         torch.testing.assert_close(logits[i, where], alone, rtol=1e-5, atol=1e-5)
 
 
-def test_left_padded_generation_equals_unpadded():
-    model = lm()
+def test_left_padded_generation_equals_unpadded(shape):
+    model = lm(**shape)
     short, long = torch.randint(2, 61, (4,)), torch.randint(2, 61, (6,))
     batch = torch.stack([torch.cat([torch.zeros(2, dtype=torch.long), short]), long])
     mask = (torch.arange(6)[None] >= torch.tensor([[2], [0]])).long()
@@ -175,13 +273,14 @@ def test_left_padded_generation_equals_unpadded():
     assert torch.equal(out[0, 2:], alone[0])
 
 
-def test_inputs_embeds_and_position_ids():
-    model = lm()
+def test_inputs_embeds_and_position_ids(shape):
+    model = lm(**shape)
     ids = torch.randint(2, 61, (2, 6))
     embeds = model.get_input_embeddings()(ids)
     torch.testing.assert_close(model(inputs_embeds=embeds).logits, model(ids).logits)
-    shifted = model(ids, position_ids=torch.arange(3, 9)[None].expand(2, -1)).logits
-    assert not torch.allclose(shifted, model(ids).logits)
+    # Spread, not shifted: rotary positions see only the distances between tokens.
+    spread = model(ids, position_ids=torch.tensor([[0, 2, 3, 5, 8, 9]]).expand(2, -1)).logits
+    assert not torch.allclose(spread, model(ids).logits)
 
 
 # ---------------------------------------------------------------- vision
@@ -223,7 +322,7 @@ def test_reload_with_other_num_labels(tmp_path):
 
 @pytest.mark.parametrize("family", ["text", "vision"])
 def test_gradient_checkpointing_gives_the_same_gradients(family):
-    model = lm(hidden_dropout_prob=0.0) if family == "text" else classifier()
+    model = lm(hidden_dropout_prob=0.0, **LLAMA_SHAPE) if family == "text" else classifier()
     inputs = (dict(input_ids=torch.randint(2, 61, (2, 8)), labels=torch.randint(2, 61, (2, 8)))
               if family == "text" else dict(pixel_values=torch.randn(2, 3, 16, 16), labels=torch.tensor([1, 3])))
     model.train()
@@ -236,37 +335,43 @@ def test_gradient_checkpointing_gives_the_same_gradients(family):
         torch.testing.assert_close(dict(model.named_parameters())[name].grad, grad, msg=name)
 
 
-@pytest.mark.parametrize("family", ["text", "vision"])
+@pytest.mark.parametrize("family", ["gpt2", "llama", "vision"])
 def test_save_load_round_trip_through_auto_classes(tmp_path, family):
-    model = lm() if family == "text" else classifier(plap_p=[[1.5, 2.0, 2.5], [3.0, 1.1, 1.5]])
-    auto = AutoModelForCausalLM if family == "text" else AutoModelForImageClassification
+    if family == "vision":
+        model = classifier(plap_p=[[1.5, 2.0, 2.5], [3.0, 1.1, 1.5]])
+    else:
+        model = lm(**TEXT_SHAPES[family])
+    auto = AutoModelForImageClassification if family == "vision" else AutoModelForCausalLM
     model.save_pretrained(tmp_path)
     assert (tmp_path / "model.safetensors").exists() and not (tmp_path / "pytorch_model.bin").exists()
     reloaded = auto.from_pretrained(tmp_path).eval()
     assert type(reloaded) is type(model)
-    inputs = torch.randint(2, 61, (2, 7)) if family == "text" else torch.randn(2, 3, 16, 16)
+    inputs = torch.randn(2, 3, 16, 16) if family == "vision" else torch.randint(2, 61, (2, 7))
     torch.testing.assert_close(reloaded(inputs).logits, model(inputs).logits, rtol=0, atol=0)
     for layer, reloaded_layer in zip(model.base_model.layers, reloaded.base_model.layers):
         assert layer.attention.p_values == reloaded_layer.attention.p_values
-    trunk = AutoModel.from_pretrained(tmp_path) if family == "text" else PlatVisionModel.from_pretrained(tmp_path)
-    assert type(trunk) is (PlatModel if family == "text" else PlatVisionModel)
+    trunk = PlatVisionModel.from_pretrained(tmp_path) if family == "vision" else AutoModel.from_pretrained(tmp_path)
+    assert type(trunk) is (PlatVisionModel if family == "vision" else PlatModel)
 
 
-def test_tied_lm_head_and_meta_device_init():
-    model = lm()
-    assert model.lm_head.weight is model.model.embed_tokens.weight
+def test_tied_or_untied_lm_head_and_meta_device_init(shape):
+    model = lm(**shape)
+    tied = model.lm_head.weight is model.model.embed_tokens.weight
+    assert tied == model.config.tie_word_embeddings
     with torch.device("meta"):
-        meta = PlatForCausalLM(text_config(plap_p=[1.1, 1.5, 2.5, 3.0]))
+        meta = PlatForCausalLM(text_config(plap_p=[1.1, 1.5, 2.5, 3.0], **shape))
     meta = meta.to_empty(device="cpu")
     meta.init_weights()
     for module in meta.modules():
         for name, tensor in list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False)):
             assert torch.isfinite(tensor).all(), name
     assert meta.model.layers[1].attention.p_values == (1.1, 1.5, 2.5, 3.0)
+    if model.model.rotary_emb is not None:  # a buffer that init must rebuild, not leave as uninitialised memory
+        assert torch.equal(meta.model.rotary_emb.inv_freq, model.model.rotary_emb.inv_freq)
 
 
-def test_deterministic_in_eval_and_batch_size_invariant():
-    model = lm()
+def test_deterministic_in_eval_and_batch_size_invariant(shape):
+    model = lm(**shape)
     ids = torch.randint(2, 61, (4, 10))
     first, second = model(ids).logits, model(ids).logits
     assert torch.equal(first, second)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from modeling_plat import PlatConfig, PlatForCausalLM, PlatForImageClassification, PlatVisionConfig
-from tiny import run_without_plugin
+from tiny import LLAMA_SHAPE, run_without_plugin
 
 # Runs where plat cannot be imported: loads with trust_remote_code and saves the outputs.
 LOADER = textwrap.dedent(
@@ -26,12 +26,13 @@ LOADER = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("family", ["text", "vision"])
+@pytest.mark.parametrize("family", ["text", "llama", "vision"])
 def test_trust_remote_code_in_fresh_process(tmp_path, family):
     torch.manual_seed(0)
-    if family == "text":
+    if family in ("text", "llama"):
         config = PlatConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                            plap_p=[1.5, 1.5, 2.5, 2.5], max_position_embeddings=32)
+                            plap_p=[1.5, 1.5, 2.5, 2.5], max_position_embeddings=32,
+                            **(LLAMA_SHAPE if family == "llama" else {}))
         model, inputs = PlatForCausalLM(config), torch.randint(0, 50, (2, 9))
         auto, trunk = "AutoModelForCausalLM", "PlatModel"
     else:

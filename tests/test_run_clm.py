@@ -1,6 +1,7 @@
 """run_clm.py end to end on tiny generated text and a slice of the embedded Penn Treebank, the sliding-window
 evaluation against direct per-token scoring, resuming, two-process DDP, and the clear errors for bad input."""
 
+import itertools
 import json
 import math
 import os
@@ -21,8 +22,13 @@ from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
     DataCollatorForLanguageModeling,
+    DataCollatorWithFlattening,
     GPT2Config,
     GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    TrainingArguments,
+    default_data_collator,
     pipeline,
 )
 
@@ -31,14 +37,18 @@ from plat_train import causal_lm as run_clm
 from plat_train.model_setup import build_config, parse_config_overrides
 from plat_train.runs import HubUnreachableError
 from plat_train.text_data import (
+    document_pieces,
     iter_texts,
     load_penn_treebank,
+    load_raw_splits,
+    pack_split,
     token_stream,
     tokenize_splits,
     train_tokenizer,
     unigram_perplexity,
 )
 from plat_train.text_metrics import sliding_window_metrics, window_plan
+from plat_train.trainers import PlatTrainer
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "run_clm.py"
@@ -197,17 +207,33 @@ def gpt2_folder(text_files, tmp_path_factory):
     return folder
 
 
-def test_stock_gpt2_is_converted_on_load_exactly(gpt2_folder, text_files, tmp_path):
+@pytest.fixture(scope="module")
+def llama_folder(text_files, tmp_path_factory):
+    """A transformers Llama checkpoint (one key/value head for two query heads) with a word tokenizer."""
+    folder = tmp_path_factory.mktemp("llama")
+    tokenizer = train_tokenizer(text_files["train"].read_text().splitlines(), "word", model_max_length=BLOCK)
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), max_position_embeddings=BLOCK, hidden_size=16,
+                         intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                         bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("source", ["gpt2", "llama"])
+def test_stock_model_is_converted_on_load_exactly(source, request, text_files, tmp_path):
+    folder = request.getfixturevalue(f"{source}_folder")
     output_dir = tmp_path / "out"
-    # A learning rate of 0 keeps the converted weights: with p = 2 the result is GPT-2 itself.
-    run_clm.main(["--model_name_or_path", str(gpt2_folder), "--config_overrides", "plap_p=2.0",
+    # A learning rate of 0 keeps the converted weights: with p = 2 the result is the source model itself.
+    run_clm.main(["--model_name_or_path", str(folder), "--config_overrides", "plap_p=2.0",
                   *files_args(text_files), *FAST, "--do_train", "--max_steps", "1", "--learning_rate", "0",
                   "--output_dir", str(output_dir)])
     converted = AutoModelForCausalLM.from_pretrained(output_dir).eval()
     assert type(converted).__name__ == "PlatForCausalLM" and converted.config.plap_p == 2.0
     ids = torch.randint(0, converted.config.vocab_size, (2, BLOCK))
-    torch.testing.assert_close(converted(ids).logits, GPT2LMHeadModel.from_pretrained(gpt2_folder).eval()(ids).logits,
-                               rtol=1e-5, atol=1e-5)
+    expected = AutoModelForCausalLM.from_pretrained(folder).eval()(ids).logits
+    torch.testing.assert_close(converted(ids).logits, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_stock_gpt2_fine_tunes_with_the_p_mix_and_reloads(gpt2_folder, text_files, tmp_path):
@@ -238,7 +264,7 @@ def test_penn_treebank_default_on_a_slice(tmp_path):
     metrics = results(output_dir)
     assert metrics["train_samples"] == 16 and metrics["eval_samples"] == metrics["test_samples"] == 8
     assert metrics["eval_unigram_perplexity"] > 1 and metrics["test_unigram_perplexity"] > 1
-    assert AutoModelForCausalLM.from_pretrained(output_dir).config.vocab_size == 10000
+    assert AutoModelForCausalLM.from_pretrained(output_dir).config.vocab_size == 10001  # PTB's 10,000 and <pad>
 
 
 def test_penn_treebank_streams_and_unigram_floor_match_the_published_figures():
@@ -248,7 +274,7 @@ def test_penn_treebank_streams_and_unigram_floor_match_the_published_figures():
     streams = {split: token_stream(dataset) for split, dataset in tokenized.items()}
     assert {split: len(stream) for split, stream in streams.items()} == {
         "train": 929589, "validation": 73760, "test": 82430}  # words plus one <eos> per sentence
-    assert len(tokenizer) == 10000
+    assert len(tokenizer) == 10001  # PTB's 10,000 types (with <unk> and <eos>) and <pad>
     assert unigram_perplexity(streams["train"], streams["validation"], len(tokenizer)) == pytest.approx(685, abs=1)
     assert unigram_perplexity(streams["train"], streams["test"], len(tokenizer)) == pytest.approx(640, abs=1)
 
@@ -437,3 +463,57 @@ def test_torch_compile_trains_and_saves_plain_weights(text_files, tmp_path):
                   "--max_steps", "2", "--torch_compile", "--output_dir", str(output_dir)])
     model, info = AutoModelForCausalLM.from_pretrained(output_dir, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]
+
+
+def test_llama_twin_recipes_run_by_name_and_differ_from_the_main_job_only_in_shape(tmp_path):
+    """plat-llama-tiny / softmax-llama-tiny: the main job's size and budget; the twins differ only in p and the
+    softmax learning rate. The plat recipe runs by name, shortened by flags after it."""
+    presets = ROOT / "plat_train" / "presets"
+    recipes = {name: yaml.safe_load((presets / f"{name}.yaml").read_text())
+               for name in ("plat-ptb-tiny", "plat-llama-tiny", "softmax-llama-tiny")}
+    same = lambda recipe: {k: v for k, v in recipe.items() if k not in ("config_name", "output_dir", "learning_rate")}
+    assert same(recipes["plat-llama-tiny"]) == same(recipes["softmax-llama-tiny"]) == same(recipes["plat-ptb-tiny"])
+    assert recipes["softmax-llama-tiny"]["learning_rate"] == 1e-3
+    plat, softmax = (json.loads((presets / f"{name}.json").read_text())
+                     for name in ("plat-llama-tiny", "softmax-llama-tiny"))
+    assert {k: v for k, v in plat.items() if k != "plap_p"} == {k: v for k, v in softmax.items() if k != "plap_p"}
+
+    output_dir = tmp_path / "out"
+    run_clm.main(["plat-llama-tiny.yaml", "--max_steps", "2", "--max_train_samples", "8", "--max_eval_samples", "2",
+                  "--per_device_train_batch_size", "4", "--per_device_eval_batch_size", "2", "--eval_stride", "128",
+                  "--save_strategy", "no", "--output_dir", str(output_dir), "--disable_tqdm", "true"])
+    config = AutoModelForCausalLM.from_pretrained(output_dir).config
+    assert config.position_embedding_type == "rope" and config.head_shape() == (4, 16)
+    assert math.isfinite(results(output_dir)["eval_perplexity"])
+
+
+def test_padding_free_trains_on_whole_texts_and_evaluates_on_blocks(text_files, tmp_path):
+    output_dir = tmp_path / "out"
+    args = [*TINY_MODEL, *files_args(text_files), *FAST, "--tokenizer_type", "word", "--do_train", "--do_eval",
+            "--max_steps", "2", "--max_eval_samples", "8", "--padding_free", "--output_dir", str(output_dir)]
+    run_clm.main(args)
+    metrics = results(output_dir)
+    assert metrics["train_samples"] == 300  # every line (4-12 words and <eos>) is one text within a block
+    assert metrics["eval_samples"] == 8 and math.isfinite(metrics["eval_loss"])
+
+    # What the Trainer feeds: training batches are the texts packed into one row, positions restarting at each
+    # text and its first token no target; evaluation batches stay blocks.
+    tokenizer = AutoTokenizer.from_pretrained(output_dir)
+    texts = [line.split() for line in text_files["train"].read_text().splitlines()[:4]]
+    pieces = document_pieces(tokenize_splits(load_raw_splits(train_file=str(text_files["train"])), tokenizer)["train"],
+                             BLOCK)  # fmt: skip
+    training_args = TrainingArguments(tmp_path / "inspect", per_device_train_batch_size=4, per_device_eval_batch_size=4,
+                                      report_to="none", dataloader_pin_memory=False,
+                                      train_sampling_strategy="sequential")  # fmt: skip
+    trainer = PlatTrainer(model=AutoModelForCausalLM.from_pretrained(output_dir), args=training_args,
+                          train_dataset=pieces, data_collator=default_data_collator,
+                          train_data_collator=DataCollatorWithFlattening(separator_id=-100))  # fmt: skip
+    batch = next(iter(trainer.get_train_dataloader()))
+    lengths = [len(words) + 1 for words in texts]  # and <eos>
+    assert batch["input_ids"].shape == (1, sum(lengths))
+    assert batch["position_ids"][0].tolist() == [i for n in lengths for i in range(n)]
+    starts = torch.tensor([0, *itertools.accumulate(lengths)][:-1])
+    assert (batch["labels"][0, starts] == -100).all()
+    blocks = next(iter(trainer.get_eval_dataloader(pack_split(tokenize_splits(
+        load_raw_splits(train_file=str(text_files["validation"])), tokenizer)["train"], BLOCK))))
+    assert blocks["input_ids"].shape == (4, BLOCK) and "position_ids" not in blocks

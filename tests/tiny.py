@@ -14,6 +14,14 @@ ROOT = Path(__file__).resolve().parents[1]
 ACCELERATE_CONFIGS = ROOT / "configuration/accelerate"
 
 
+# A Llama-shaped decoder: rotary positions (a non-default theta), RMSNorm, SwiGLU, 2 key/value heads for 4 query
+# heads, no biases, an untied LM head. Merged into text_config to give the same tests that shape.
+LLAMA_SHAPE = dict(position_embedding_type="rope", rope_theta=500.0, norm_type="rmsnorm", mlp_type="gated",
+                   hidden_act="silu", num_key_value_heads=2, qkv_bias=False, o_proj_bias=False, mlp_bias=False,
+                   tie_word_embeddings=False)
+TEXT_SHAPES = {"gpt2": {}, "llama": LLAMA_SHAPE}
+
+
 def text_config(**kwargs):
     defaults = dict(vocab_size=61, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                     intermediate_size=64, max_position_embeddings=40, pad_token_id=0, eos_token_id=1)

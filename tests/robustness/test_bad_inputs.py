@@ -2,8 +2,10 @@
 
 import pytest
 import torch
+from transformers import StaticCache
 
-from tiny import classifier, lm, text_config, vision_config
+from modeling_plat.modeling_plat import _check_range
+from tiny import LLAMA_SHAPE, classifier, lm, text_config, vision_config
 
 
 @pytest.mark.parametrize(
@@ -58,6 +60,27 @@ def test_lm_bad_input_raises_clear_errors(make_call, message):
     with pytest.raises(ValueError, match=message):
         make_call(lm())
 
+
+def test_llama_shape_bad_input_raises_clear_errors():
+    with pytest.raises(ValueError, match="input_ids must lie in"):
+        lm(**LLAMA_SHAPE)(torch.tensor([[1, 2, 61]]))
+
+
+@pytest.mark.parametrize("shape", [{}, LLAMA_SHAPE])
+def test_static_cache_is_refused_up_front(shape):
+    model = lm(**shape)
+    with pytest.raises(ValueError, match="p-LaT needs a DynamicCache"):
+        model.generate(torch.randint(2, 61, (2, 5)), max_new_tokens=3, cache_implementation="static")
+    with pytest.raises(ValueError, match="DynamicCache"):
+        model(torch.randint(2, 61, (1, 3)), past_key_values=StaticCache(config=model.config, max_cache_len=8))
+
+
+def test_range_checks_read_no_device_tensor():
+    """Reading a GPU tensor's min/max would synchronise the host on every forward, every generated token
+    included: only CPU tensors are range-checked (a meta tensor has no values to read, and must not be read)."""
+    _check_range("input_ids", torch.full((1, 3), 99, device="meta"), 0, 61, "vocab_size")
+    with pytest.raises(ValueError, match="input_ids must lie in"):
+        _check_range("input_ids", torch.full((1, 3), 99), 0, 61, "vocab_size")
 
 
 @pytest.mark.parametrize(
