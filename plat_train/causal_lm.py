@@ -18,7 +18,13 @@ import logging
 from dataclasses import dataclass, field
 from typing import Literal
 
-from transformers import AutoTokenizer, HfArgumentParser, default_data_collator, set_seed
+from transformers import (
+    AutoTokenizer,
+    DataCollatorWithFlattening,
+    HfArgumentParser,
+    default_data_collator,
+    set_seed,
+)
 
 from .arguments import ModelArguments, PlatTrainingArguments, parse_args
 from .model_cards import PTB_DATASET
@@ -32,6 +38,7 @@ from .runs import (
     setup_logging,
 )
 from .text_data import (
+    document_pieces,
     iter_texts,
     load_raw_splits,
     pack_split,
@@ -91,7 +98,17 @@ class DataArguments:
         default=None,
         metadata={"help": "Tokens per training block; default and maximum: the model's max_position_embeddings."},
     )
-    max_train_samples: int | None = field(default=None, metadata={"help": "Use only this many training blocks."})
+    max_train_samples: int | None = field(
+        default=None, metadata={"help": "Use only this many training blocks (texts or pieces with --padding_free)."}
+    )
+    padding_free: bool = field(
+        default=False,
+        metadata={
+            "help": "Train on whole texts instead of blocks cut across them: each batch is its texts (cut at "
+            "block_size) packed into one row without padding, and every text attends only within itself "
+            "(transformers' DataCollatorWithFlattening)."
+        },
+    )
     max_eval_samples: int | None = field(
         default=None, metadata={"help": "Use only this many blocks (their tokens, for sliding windows) per eval split."}
     )
@@ -239,10 +256,11 @@ def main(args=None):
         tokenized = tokenize_splits(
             raw_splits, tokenizer, data_args.preprocessing_num_workers, data_args.overwrite_cache
         )
-    train_blocks = (
-        pack_split(tokenized["train"], block_size, data_args.max_train_samples, "train")
-        if training_args.do_train else None
-    )
+    train_blocks = None
+    if training_args.do_train and data_args.padding_free:
+        train_blocks = document_pieces(tokenized["train"], block_size, data_args.max_train_samples)
+    elif training_args.do_train:
+        train_blocks = pack_split(tokenized["train"], block_size, data_args.max_train_samples, "train")
     # --do_eval scores the validation split and, when there is one, the test split; --do_predict the test split.
     eval_splits = {"eval": "validation", "test": "test"} if training_args.do_eval else {}
     if training_args.do_predict:
@@ -259,6 +277,8 @@ def main(args=None):
         eval_dataset=eval_blocks.get("eval"),
         processing_class=tokenizer,
         data_collator=default_data_collator,
+        # The first token of each text is no target of the text before it (separator_id = -100).
+        train_data_collator=DataCollatorWithFlattening(separator_id=-100) if data_args.padding_free else None,
         compute_metrics=token_accuracy if eval_blocks else None,
         preprocess_logits_for_metrics=preprocess_logits_for_metrics if eval_blocks else None,
     )

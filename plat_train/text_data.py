@@ -279,6 +279,21 @@ def pack_split(tokenized, block_size, max_blocks=None, split="train"):
     return blocks
 
 
+def document_pieces(tokenized, block_size, max_pieces=None):
+    """Every text as one training example (padding-free packing), texts longer than ``block_size`` cut into pieces
+    of at most ``block_size`` tokens; the first ``max_pieces`` if given."""
+
+    def cut(batch):
+        return {"input_ids": [ids[start : start + block_size] for ids in batch["input_ids"]
+                              for start in range(0, len(ids), block_size)]}  # fmt: skip
+
+    pieces = tokenized.map(cut, batched=True)
+    if max_pieces is not None:
+        pieces = pieces.take(max_pieces) if isinstance(pieces, datasets.IterableDataset) else pieces.select(
+            range(min(max_pieces, len(pieces))))  # fmt: skip
+    return pieces
+
+
 def unigram_perplexity(train_stream, eval_stream, vocab_size):
     """Perplexity of the add-one smoothed unigram model of ``train_stream`` on ``eval_stream``.
 

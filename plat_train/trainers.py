@@ -48,7 +48,21 @@ class PlatModelCardMixin:
 
 
 class PlatTrainer(PlatModelCardMixin, Trainer):
-    """Trainer whose saved and pushed model card is the p-LaT one."""
+    """Trainer whose saved and pushed model card is the p-LaT one; ``train_data_collator``, when given, batches
+    the training set alone (padding-free packed documents), evaluation keeping ``data_collator``'s blocks."""
+
+    def __init__(self, *args, train_data_collator=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.train_data_collator = train_data_collator
+
+    def get_train_dataloader(self):
+        if self.train_data_collator is None:
+            return super().get_train_dataloader()
+        eval_collator, self.data_collator = self.data_collator, self.train_data_collator
+        try:
+            return super().get_train_dataloader()
+        finally:
+            self.data_collator = eval_collator
 
 
 class ImageClassificationTrainer(PlatTrainer):
