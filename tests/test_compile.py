@@ -1,0 +1,110 @@
+"""torch.compile, torch.export and ONNX see the whole model: no graph break in any layer, fullgraph forward and
+backward equal eager, exported programs with dynamic batch and length equal eager at other shapes."""
+
+import pytest
+import torch
+from tiny import TEXT_SHAPES, lm
+from transformers import DataCollatorWithFlattening
+
+P_MIX = [1.5, 1.5, 2.5, 2.0]  # both powers and one softmax head: every path of the attention
+
+
+def training_step(model):
+    def step(ids):
+        return model(ids, labels=ids).loss
+
+    return step
+
+
+@pytest.mark.parametrize("backend", ["auto", "eager", "tiled"])
+@pytest.mark.parametrize("shape", TEXT_SHAPES)
+def test_no_graph_break_in_a_training_step(shape, backend):
+    model = lm(**TEXT_SHAPES[shape], plap_p=P_MIX, plap_backend=backend, use_cache=False).train()
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(training_step(model))(torch.randint(2, 61, (2, 12)))
+    assert explained.graph_break_count == 0, [str(reason.reason)[:200] for reason in explained.break_reasons]
+    assert explained.graph_count == 1
+
+
+@pytest.mark.parametrize("backend", ["eager", "tiled"])
+@pytest.mark.parametrize("shape", TEXT_SHAPES)
+def test_fullgraph_forward_and_backward_equal_eager(shape, backend):
+    model = lm(**TEXT_SHAPES[shape], plap_p=P_MIX, plap_backend=backend, use_cache=False).train()
+    model.config.hidden_dropout_prob = 0.0
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    ids = torch.randint(2, 61, (2, 12), generator=torch.Generator().manual_seed(0))
+    expected_loss = model(ids, labels=ids).loss
+    expected = torch.autograd.grad(expected_loss, list(model.parameters()))
+    torch._dynamo.reset()
+    compiled = torch.compile(training_step(model), backend="aot_eager", fullgraph=True)
+    loss = compiled(ids)
+    grads = torch.autograd.grad(loss, list(model.parameters()))
+    torch.testing.assert_close(loss, expected_loss)
+    for grad, reference in zip(grads, expected):
+        torch.testing.assert_close(grad, reference, rtol=1e-4, atol=1e-6)
+
+
+def test_fullgraph_packed_rows_equal_eager():
+    """Under compilation the document boundaries cannot be read on the host: they stay a tensor."""
+    model = lm(plap_p=P_MIX, use_cache=False)
+    batch = DataCollatorWithFlattening(return_tensors="pt")([{"input_ids": list(range(2, 2 + n))} for n in (5, 9)])
+    with torch.no_grad():
+        expected = model(batch["input_ids"], position_ids=batch["position_ids"]).logits
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+        torch.testing.assert_close(compiled(batch["input_ids"], position_ids=batch["position_ids"]).logits, expected)
+
+
+def exported(model, example):
+    batch, length = torch.export.Dim("batch", min=1, max=64), torch.export.Dim("length", min=2, max=40)
+    return torch.export.export(model, (), {"input_ids": example},
+                               dynamic_shapes={"input_ids": {0: batch, 1: length}}, strict=False)  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", ["auto", "eager", "tiled"])
+@pytest.mark.parametrize("shape", TEXT_SHAPES)
+def test_export_with_dynamic_batch_and_length(shape, backend):
+    model = lm(**TEXT_SHAPES[shape], plap_p=P_MIX, plap_backend=backend, use_cache=False)
+    program = exported(model, torch.randint(2, 61, (2, 12)))
+    other = torch.randint(2, 61, (3, 17))
+    with torch.no_grad():
+        torch.testing.assert_close(program.module()(input_ids=other).logits, model(other).logits)
+
+
+def test_onnx_export_runs_in_onnxruntime(tmp_path):
+    onnxruntime = pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnxscript")
+    model = lm(plap_p=P_MIX, use_cache=False)
+    batch, length = torch.export.Dim("batch", min=1, max=64), torch.export.Dim("length", min=2, max=40)
+    path = tmp_path / "plat.onnx"
+    torch.onnx.export(model, (), path, kwargs={"input_ids": torch.randint(2, 61, (2, 12))}, dynamo=True,
+                      dynamic_shapes={"input_ids": {0: batch, 1: length}}, output_names=["logits"])  # fmt: skip
+    other = torch.randint(2, 61, (3, 17))
+    session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    (logits, *_) = session.run(["logits"], {session.get_inputs()[0].name: other.numpy()})
+    with torch.no_grad():
+        torch.testing.assert_close(torch.from_numpy(logits), model(other).logits, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("layers", [2, pytest.param(16, marks=pytest.mark.slow)])
+def test_compiled_decoding_with_the_cache_compiles_three_graphs(layers):
+    """The prompt, the first step, then one graph whose cache length is symbolic, at any depth (16: the paper's
+    model) far from the recompile limit; the tokens are those of eager decoding."""
+    model = lm(num_hidden_layers=layers, plap_p=P_MIX, max_position_embeddings=64)
+    graphs = []
+
+    def counting_backend(graph, example_inputs):
+        graphs.append(graph)
+        return graph.forward
+
+    prompt = torch.randint(2, 61, (2, 6), generator=torch.Generator().manual_seed(0))
+    generate = dict(attention_mask=torch.ones_like(prompt), max_new_tokens=12, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        expected = model.generate(prompt, **generate)
+        torch._dynamo.reset()
+        model.forward = torch.compile(model.forward, backend=counting_backend, fullgraph=True)
+        tokens = model.generate(prompt, **generate)
+    assert torch.equal(tokens, expected)
+    assert len(graphs) == 3
