@@ -155,12 +155,21 @@ def record_metrics(trainer, split, metrics):
 
 
 def release_process_group():
-    """Destroy the distributed process group, if any, at the end of a job that succeeded.
+    """End a distributed job that succeeded: every process waits for the others, then leaves without the
+    interpreter's teardown.
 
-    Left to interpreter shutdown, gloo's worker threads can still hold finished work that references Python
-    tensors; freeing those while the interpreter is being torn down aborts the process ("terminate called
-    without an active exception") after the outputs are written, and the launcher reports the job as failed.
-    Not done after an error: a peer may still wait in a collective, and destroying the group would hang.
+    When the job's objects are freed, the last reference to gloo's process group (held by the DDP model) joins
+    gloo's worker threads while holding the GIL; a worker that is still freeing finished work that references
+    Python tensors needs the GIL too, and the process hangs (or aborts with "terminate called without an active
+    exception" if the interpreter is already shutting down), after the outputs are written. Destroying the group
+    does not stop those threads, so once every output is on disk the processes exit directly (status 0) with
+    their streams and logs flushed. Not done after an error: a peer may still wait in a collective.
     """
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
