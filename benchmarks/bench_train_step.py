@@ -7,14 +7,14 @@ Pairs, each timed as the median of --repeats steps after --warmup steps, round-r
   vs GPT2LMHeadModel of the same sizes with SDPA attention, and p-LaT with p = 2;
 - ptb: the plat-ptb-tiny preset's model (4 layers x 128, 8 heads, context 128, p = 4 x 1.5 + 4 x 2.5, 10k
   vocabulary, hidden dropout 0.1; batch 32) vs its softmax-ptb-tiny twin (the same with p = 2);
-- compile: plat-ptb-tiny under torch.compile(fullgraph=True) vs the same model eager (the warm-up steps
-  compile; use --warmup 2 or more).
+- compile, compile-llama: the plat-ptb-tiny / plat-llama-tiny preset's model (10k vocabulary) under
+  torch.compile(fullgraph=True) vs the same model eager (the warm-up steps compile; use --warmup 2 or more).
 Attention dropout is 0 everywhere (it would route p-LaT to the eager reference); hidden dropout is 0 except
 in the ptb pair, which copies its presets. Each printed ratio carries the machine it was measured on.
 
     python benchmarks/bench_train_step.py --pairs vision lm ptb --threads 1 --repeats 5
     python benchmarks/bench_train_step.py --pairs vision lm --out results/train_step
-    python benchmarks/bench_train_step.py --pairs compile --warmup 3 --repeats 10
+    python benchmarks/bench_train_step.py --pairs compile compile-llama --warmup 3 --repeats 10
 """
 
 import argparse
@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from machine import facts_label, machine_facts  # noqa: E402
 from modeling_plat import PlatConfig, PlatForCausalLM, PlatForImageClassification, PlatVisionConfig  # noqa: E402
+from plat_train.presets import resolve_config_name  # noqa: E402
 
 DEIT_TINY = dict(hidden_size=192, num_hidden_layers=12, num_attention_heads=3, intermediate_size=768)
 PAPER_LM = dict(hidden_size=128, num_hidden_layers=16, num_attention_heads=8, intermediate_size=512)
@@ -69,14 +70,21 @@ def ptb_models(backend):
     }
 
 
-def compile_models(backend):
-    """plat-ptb-tiny under torch.compile (fullgraph) against the same model run eagerly."""
-    compiled, eager = (ptb_models(backend)["plat-ptb-tiny"] for _ in range(2))
-    eager.load_state_dict(compiled.state_dict())
-    return {"plat-ptb-tiny-compiled": torch.compile(compiled, fullgraph=True), "plat-ptb-tiny-eager": eager}
+def compile_pair(preset):
+    """A preset's model under torch.compile (fullgraph) against the same model run eagerly."""
+
+    def build(backend):
+        config = PlatConfig.from_json_file(resolve_config_name(preset))
+        config.vocab_size, config.plap_backend = 10000, backend
+        compiled, eager = PlatForCausalLM(config), PlatForCausalLM(config)
+        eager.load_state_dict(compiled.state_dict())
+        return {f"{preset}-compiled": torch.compile(compiled, fullgraph=True), f"{preset}-eager": eager}
+
+    return build
 
 
-PAIRS = {"vision": (vision_models, 8), "lm": (lm_models, 16), "ptb": (ptb_models, 32), "compile": (compile_models, 32)}
+PAIRS = {"vision": (vision_models, 8), "lm": (lm_models, 16), "ptb": (ptb_models, 32),
+         "compile": (compile_pair("plat-ptb-tiny"), 32), "compile-llama": (compile_pair("plat-llama-tiny"), 32)}
 
 
 def batches(pair, batch_size):

@@ -56,7 +56,8 @@ class PlatConfigBase(PretrainedConfig):
             softmax attention. The default is the paper's mix: ceil(H / 2) heads with p = 1.5, the rest 2.5.
         plap_eps (`float`, defaults to 1e-6): added to squared value distances before the power.
         plap_formulation (`str`, defaults to `"paper"`): `"paper"` (eq. 12) or `"euler"` (exact Euler step
-            of the gradient flow, no self-weight singularity).
+            of the gradient flow, no self-weight singularity); `"noself"` and `"selfweight"` split eq. 12 into
+            its weighting of the other tokens and its self-weight (the eager backend runs them).
         plap_backend (`str`, defaults to `"auto"`): attention kernel, see `modeling_plat.plap_attention.BACKENDS`.
         plat_config_version (`int`): format version of this config; a newer one than the code knows is refused.
     """

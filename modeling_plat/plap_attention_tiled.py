@@ -43,17 +43,14 @@ import torch
 
 from .float32_matmul import float32_baddbmm_
 
-# Scores per tile, all heads of a batch block together: 2**18 float32 = 1 MiB per tile buffer. Measured
-# fwd+bwd (paper LM, ptb-tiny and DeiT-tiny shapes, 1 and 2 threads, AMD EPYC): 2**17 and 2**19 within the
-# run-to-run spread (~10%) of 2**18; smaller tiles pay more per-call overhead, larger ones leave the cache.
+# Scores per tile (1 MiB of float32): small enough for the cache, large enough to amortise per-call overhead
+# (docs/performance.md; re-derive with `python benchmarks/bench_attention.py --backends tiled`).
 TILE_ELEMENTS = 1 << 18
 # Longest key block. Shorter sequences take all their keys in one block (no online rescaling);
 # longer ones are split so that a tile's rows stay long enough for efficient matmuls.
 MAX_BLOCK_K = 1024
-# Causal query blocks are kept short so that the key range of each (cut at the diagonal) skips most of the
-# masked upper triangle: at most N / CAUSAL_BLOCKS_PER_SEQUENCE rows (the work past the diagonal is then
-# ~1 / (2 * 8) of the total), at least MIN_CAUSAL_BLOCK_Q. Measured: 32 rows beat 64 by 5-15% at N = 128 and
-# 256; at N = 4k, 128 rows run 1.6x faster than 32 (1 and 2 threads).
+# Short causal query blocks let each block's key range, cut at the diagonal, skip most of the masked triangle
+# (docs/performance.md; same benchmark).
 CAUSAL_BLOCKS_PER_SEQUENCE = 8
 MIN_CAUSAL_BLOCK_Q = 32
 LOG2_E = 1 / math.log(2)
