@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from modeling_plat import plap_attention
-from test_backends import TORCH_BACKENDS, check, make_inputs
+from test_backends import TORCH_BACKENDS, check, make_inputs, needs_triton, triton_small_blocks
 
 # Document lengths of two packed rows: not multiples of any tile, a one-token document, a long one.
 LENGTHS = [[5, 11, 1, 20], [37]]
@@ -16,6 +16,7 @@ def document_ids(lengths):
 
 
 BACKENDS = {name: run for name, run in TORCH_BACKENDS.items() if name != "decode"}  # decoding has no packing
+BACKENDS["triton-small-blocks"] = needs_triton(triton_small_blocks)
 
 
 @pytest.mark.parametrize("formulation", ["paper", "euler"])
