@@ -29,8 +29,8 @@ dV of coinciding values mostly noise. Masks: causal (bottom-right aligned) and k
 broadcastable to (B, 1, 1, Nk)); ``plap_attention`` routes other masks to the tiled backend. Packed rows
 (``document_ids``, Nq == Nk) are varlen: each fixed block's loop visits only the span of positions its
 documents cover, and a plain tile compares document ids only when its tokens are not all of one document
-(a test per tile, none per score). Lengths need not be multiples of the blocks. The wrapper makes q, k and v contiguous once, so that the kernels compute
-offsets from the shapes. No gradient for p (static per head).
+(a test per tile, none per score). Lengths need not be multiples of the blocks. The wrapper makes q, k and v
+contiguous once, so that the kernels compute offsets from the shapes. No gradient for p (static per head).
 
 What a GPU can run is decided before any launch, by ``triton_unsupported_reason``: the Triton version, the
 compute capability, dtypes, head sizes per dtype and architecture (so that the tiles fit its shared memory),
@@ -191,7 +191,7 @@ def triton_unsupported_reason(query, key=None, value=None, *, p, attn_mask=None,
             f"the kernels need CUDA tensors, got {query.device.type} (CPU tensors run only under the Triton "
             "interpreter, TRITON_INTERPRET=1 set before import)"
         )
-    return reason or _input_reason(query, key, value, attn_mask, max(p, default=None))
+    return reason or _input_reason(query, key, value, attn_mask, document_ids, max(p, default=None))
 
 
 def capability_reason(capability, dtype, head_dim, value_dim):
@@ -205,7 +205,7 @@ def capability_reason(capability, dtype, head_dim, value_dim):
     return None
 
 
-def _input_reason(query, key, value, attn_mask, max_p):
+def _input_reason(query, key, value, attn_mask, document_ids, max_p):
     if query.dtype not in SUPPORTED_DTYPES:
         return f"dtype {query.dtype} is not one of {SUPPORTED_DTYPES}"
     if query.dtype == torch.float16 and max_p is not None and max_p > FLOAT16_MAX_P:
@@ -219,6 +219,12 @@ def _input_reason(query, key, value, attn_mask, max_p):
         return f"only key-padding masks broadcastable as (B, 1, 1, Nk) are fused; got {tuple(attn_mask.shape)}"
     if attn_mask is not None and attn_mask.device != query.device:
         return f"the mask is on {attn_mask.device}, the inputs on {query.device}"
+    packed_shape = (key.shape[0], key.shape[2])
+    if document_ids is not None and (query.shape[2] != key.shape[2] or tuple(document_ids.shape) != packed_shape):
+        return (f"packed rows take (B, N) document ids and as many queries as keys; got ids of shape "
+                f"{tuple(document_ids.shape)} for {query.shape[2]} queries and {key.shape[2]} keys")
+    if document_ids is not None and document_ids.device != query.device:
+        return f"document_ids are on {document_ids.device}, the inputs on {query.device}"
     # The kernels take contiguous tensors: rows * d offsets inside one (batch, head) slab are int32.
     extent = max(query.shape[2], key.shape[2]) * max(query.shape[-1], value.shape[-1])
     if extent > MAX_OFFSET:
