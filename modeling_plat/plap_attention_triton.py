@@ -26,9 +26,11 @@ float32 inputs every matmul is tf32x3 (``FLOAT32_DOT``), v_x.v_y of D2 included;
 operand is the distance gradient Gd of Gd V and Gd^T V_q (``_exact_dot``). Gd grows like 1 / (D2 + eps) and
 its exact row and column sums cancel against those matmuls, so that a TF32 rounding of Gd (2^-11) would make
 dV of coinciding values mostly noise. Masks: causal (bottom-right aligned) and key padding (a boolean mask
-broadcastable to (B, 1, 1, Nk)); ``plap_attention`` routes other masks to the tiled backend. Lengths need
-not be multiples of the blocks. The wrapper makes q, k and v contiguous once, so that the kernels compute
-offsets from the shapes. No gradient for p (static per head).
+broadcastable to (B, 1, 1, Nk)); ``plap_attention`` routes other masks to the tiled backend. Packed rows
+(``document_ids``, Nq == Nk) are varlen: each fixed block's loop visits only the span of positions its
+documents cover, and a plain tile compares document ids only when its tokens are not all of one document
+(a test per tile, none per score). Lengths need not be multiples of the blocks. The wrapper makes q, k and v
+contiguous once, so that the kernels compute offsets from the shapes. No gradient for p (static per head).
 
 What a GPU can run is decided before any launch, by ``triton_unsupported_reason``: the Triton version, the
 compute capability, dtypes, head sizes per dtype and architecture (so that the tiles fit its shared memory),
@@ -179,8 +181,6 @@ def triton_unsupported_reason(query, key=None, value=None, *, p, attn_mask=None,
         return f"triton {triton.__version__} is older than {'.'.join(map(str, MIN_TRITON_VERSION))}"
     if formulation not in FORMULATIONS:
         return f"formulation {formulation!r} is not one of {FORMULATIONS}"
-    if document_ids is not None:
-        return "packed documents (document_ids) are not fused yet"
     if query.device.type == "cuda":
         capability = torch.cuda.get_device_capability(query.device)
         reason = capability_reason(capability, query.dtype, query.shape[-1], value.shape[-1])
@@ -191,7 +191,7 @@ def triton_unsupported_reason(query, key=None, value=None, *, p, attn_mask=None,
             f"the kernels need CUDA tensors, got {query.device.type} (CPU tensors run only under the Triton "
             "interpreter, TRITON_INTERPRET=1 set before import)"
         )
-    return reason or _input_reason(query, key, value, attn_mask, max(p, default=None))
+    return reason or _input_reason(query, key, value, attn_mask, document_ids, max(p, default=None))
 
 
 def capability_reason(capability, dtype, head_dim, value_dim):
@@ -205,7 +205,7 @@ def capability_reason(capability, dtype, head_dim, value_dim):
     return None
 
 
-def _input_reason(query, key, value, attn_mask, max_p):
+def _input_reason(query, key, value, attn_mask, document_ids, max_p):
     if query.dtype not in SUPPORTED_DTYPES:
         return f"dtype {query.dtype} is not one of {SUPPORTED_DTYPES}"
     if query.dtype == torch.float16 and max_p is not None and max_p > FLOAT16_MAX_P:
@@ -219,6 +219,12 @@ def _input_reason(query, key, value, attn_mask, max_p):
         return f"only key-padding masks broadcastable as (B, 1, 1, Nk) are fused; got {tuple(attn_mask.shape)}"
     if attn_mask is not None and attn_mask.device != query.device:
         return f"the mask is on {attn_mask.device}, the inputs on {query.device}"
+    packed_shape = (key.shape[0], key.shape[2])
+    if document_ids is not None and (query.shape[2] != key.shape[2] or tuple(document_ids.shape) != packed_shape):
+        return (f"packed rows take (B, N) document ids and as many queries as keys; got ids of shape "
+                f"{tuple(document_ids.shape)} for {query.shape[2]} queries and {key.shape[2]} keys")
+    if document_ids is not None and document_ids.device != query.device:
+        return f"document_ids are on {document_ids.device}, the inputs on {query.device}"
     # The kernels take contiguous tensors: rows * d offsets inside one (batch, head) slab are int32.
     extent = max(query.shape[2], key.shape[2]) * max(query.shape[-1], value.shape[-1])
     if extent > MAX_OFFSET:
@@ -358,10 +364,35 @@ def _pair_dot(query_side, key_side, QUERY_AXIS: constexpr):
 
 
 @jit
-def _masked_scores(scores, rows, cols, num_queries, num_keys, key_keep_row, MASKED: constexpr,
-                   IS_CAUSAL: constexpr, HAS_KEY_MASK: constexpr, QUERY_AXIS: constexpr):  # fmt: skip
-    """-inf where query rows may not attend to key cols (out of range, causal, padding); tiles that the loop
-    split proves whole and allowed (MASKED false) skip the test."""
+def _fixed_documents(Documents, slab, num_heads, positions, num_keys, HAS_DOCUMENTS: constexpr):
+    """What the tiles of a kernel's fixed block need of packed documents: (the row of the document table,
+    the block's document ids, their smallest and largest id), and the span (first, end) of positions that
+    its tokens may pair with. Without documents, the span of the whole row."""
+    if HAS_DOCUMENTS:
+        row = Documents + (slab // num_heads) * num_keys * 3
+        inside = positions < num_keys
+        ids = tl.load(row + positions * 3, mask=inside, other=-1)
+        docs = (row, ids, tl.min(tl.where(inside, ids, num_keys)), tl.max(ids))
+        first = tl.min(tl.load(row + positions * 3 + 1, mask=inside, other=num_keys))
+        span = (first, tl.max(tl.load(row + positions * 3 + 2, mask=inside, other=0)))
+    else:
+        docs = (Documents, 0, 0, 0)
+        span = (0, num_keys)
+    return docs, span
+
+
+@jit
+def _masked_scores(scores, rows, cols, num_queries, num_keys, key_keep_row, docs, MASKED: constexpr,
+                   IS_CAUSAL: constexpr, HAS_KEY_MASK: constexpr, HAS_DOCUMENTS: constexpr,
+                   QUERY_AXIS: constexpr):  # fmt: skip
+    """-inf where query rows may not attend to key cols (out of range, causal, padding, another document);
+    tiles that the loop split proves whole and allowed (MASKED false) skip the test, and with documents they
+    compare ids only where the tile's tokens are not all of the fixed block's one document."""
+    if HAS_DOCUMENTS:  # tiles are (fixed block, loop block); Nq == Nk
+        row, fixed_ids, fixed_low, fixed_high = docs
+        loop_positions = cols if QUERY_AXIS == 0 else rows
+        loop_ids = tl.load(row + loop_positions * 3, mask=loop_positions < num_keys, other=-1)
+        same_document = fixed_ids[:, None] == loop_ids[None, :]
     if MASKED:
         query_pos = _per_query(rows, QUERY_AXIS)
         key_pos = _per_key(cols, QUERY_AXIS)
@@ -371,7 +402,13 @@ def _masked_scores(scores, rows, cols, num_queries, num_keys, key_keep_row, MASK
         if HAS_KEY_MASK:
             keep = tl.load(key_keep_row + cols, mask=cols < num_keys, other=0)
             allowed = allowed & (_per_key(keep, QUERY_AXIS) != 0)
+        if HAS_DOCUMENTS:
+            allowed = allowed & same_document
         scores = tl.where(allowed, scores, float("-inf"))
+    elif HAS_DOCUMENTS:
+        # Every id equal: min(loop) = max(fixed) >= min(fixed) = max(loop) >= min(loop).
+        if (tl.min(loop_ids) != fixed_high) | (tl.max(loop_ids) != fixed_low):
+            scores = tl.where(same_document, scores, float("-inf"))
     return scores
 
 
@@ -389,14 +426,20 @@ def _distances(v_query, sq_query_eps, values, sq_keys, rows, cols, offset, eps, 
 
 
 @jit
-def _loop_split(begin, a, b, c, end, BLOCK: constexpr):
+def _loop_split(begin, a, b, c, end, span, BLOCK: constexpr):
     """The tiles of a loop over [begin, end) as two lists: plain tiles [begin, a) and [b, c), whose pairs are
-    all allowed, in range and off the diagonal, and masked tiles [a, b) and [max(b, c), end). Each list is
-    (count, count of its first range, first start, second start), read by ``_tile_start``; a, b and c are
-    multiples of BLOCK from begin wherever a range follows them."""
-    first_plain = (a - begin) // BLOCK
-    plain = (first_plain + tl.maximum(c - b, 0) // BLOCK, first_plain, begin, b)
-    first_masked = tl.cdiv(b - a, BLOCK)
+    all allowed (but for packed documents), in range and off the diagonal, and masked tiles [a, b) and
+    [max(b, c), end); tiles outside the span (first, end) of positions that the fixed block pairs with are
+    skipped. Each list is (count, count of its first range, first start, second start), read by
+    ``_tile_start``; a, b and c are multiples of BLOCK from begin wherever a range follows them."""
+    low = tl.maximum(begin, begin + (span[0] - begin) // BLOCK * BLOCK)
+    high = begin + tl.cdiv(span[1] - begin, BLOCK) * BLOCK
+    begin, a, b, c = tl.maximum(begin, low), tl.maximum(a, low), tl.maximum(b, low), tl.maximum(c, low)
+    end = tl.minimum(end, high)
+    a_end, b_end, c_end = tl.minimum(a, high), tl.minimum(b, high), tl.minimum(c, high)
+    first_plain = tl.maximum(a_end - begin, 0) // BLOCK
+    plain = (first_plain + tl.maximum(c_end - b, 0) // BLOCK, first_plain, begin, b)
+    first_masked = tl.cdiv(tl.maximum(b_end - a, 0), BLOCK)
     second = tl.maximum(b, c)
     masked = (first_masked + tl.cdiv(tl.maximum(end - second, 0), BLOCK), first_masked, a, second)
     return plain, masked
@@ -409,8 +452,8 @@ def _tile_start(index, tiles, BLOCK: constexpr):
 
 
 @jit
-def _key_loop_bounds(pid_m, num_queries, num_keys, BLOCK_M: constexpr, BLOCK_N: constexpr, IS_CAUSAL: constexpr,
-                     HAS_KEY_MASK: constexpr):  # fmt: skip
+def _key_loop_bounds(pid_m, num_queries, num_keys, span, BLOCK_M: constexpr, BLOCK_N: constexpr,
+                     IS_CAUSAL: constexpr, HAS_KEY_MASK: constexpr):  # fmt: skip
     """The ``_loop_split`` of a query block's loop over key blocks (forward and dq)."""
     offset = num_keys - num_queries
     first_key = offset + pid_m * BLOCK_M  # the key position of the block's first query
@@ -429,12 +472,12 @@ def _key_loop_bounds(pid_m, num_queries, num_keys, BLOCK_M: constexpr, BLOCK_N: 
         a = 0
         b = end
         c = end
-    return _loop_split(0, a, b, c, end, BLOCK_N)
+    return _loop_split(0, a, b, c, end, span, BLOCK_N)
 
 
 @jit
-def _query_loop_bounds(pid_n, num_queries, num_keys, BLOCK_M: constexpr, BLOCK_N: constexpr, IS_CAUSAL: constexpr,
-                       HAS_KEY_MASK: constexpr):  # fmt: skip
+def _query_loop_bounds(pid_n, num_queries, num_keys, span, BLOCK_M: constexpr, BLOCK_N: constexpr,
+                       IS_CAUSAL: constexpr, HAS_KEY_MASK: constexpr):  # fmt: skip
     """The ``_loop_split`` of a key block's loop over query blocks (dkdv)."""
     offset = num_keys - num_queries
     first_query = pid_n * BLOCK_N - offset  # the query at the block's first key position (may be < 0)
@@ -455,22 +498,23 @@ def _query_loop_bounds(pid_n, num_queries, num_keys, BLOCK_M: constexpr, BLOCK_N
         a = begin
         b = num_queries
         c = num_queries
-    return _loop_split(begin, a, b, c, num_queries, BLOCK_M)
+    return _loop_split(begin, a, b, c, num_queries, span, BLOCK_M)
 
 
 @jit
-def _fwd_tile(q, v_query, sq_query_eps, row_max, row_sum, off_sum, acc, K, V, SqNorms, key_keep_row, rows, start,
-              num_queries, num_keys, scale_log2, exponent, eps, HEAD_DIM: constexpr, VALUE_DIM: constexpr,
+def _fwd_tile(q, v_query, sq_query_eps, row_max, row_sum, off_sum, acc, K, V, SqNorms, key_keep_row, docs, rows,
+              start, num_queries, num_keys, scale_log2, exponent, eps, HEAD_DIM: constexpr, VALUE_DIM: constexpr,
               BLOCK_D: constexpr, BLOCK_DV: constexpr, BLOCK_N: constexpr, POWER: constexpr, MASKED: constexpr,
-              IS_CAUSAL: constexpr, HAS_KEY_MASK: constexpr, EULER: constexpr):  # fmt: skip
+              IS_CAUSAL: constexpr, HAS_KEY_MASK: constexpr, HAS_DOCUMENTS: constexpr,
+              EULER: constexpr):  # fmt: skip
     """One key block of the online softmax; scores in log2 units (log2(e) folded into the scale)."""
     cols = start + tl.arange(0, BLOCK_N)
     k = _load_rows(K, cols, num_keys, HEAD_DIM, BLOCK_D)
     values = _load_rows(V, cols, num_keys, VALUE_DIM, BLOCK_DV)
     sq_keys = tl.load(SqNorms + cols, mask=cols < num_keys, other=0.0)
     scores = _pair_dot(q, k, 0) * scale_log2
-    scores = _masked_scores(scores, rows, cols, num_queries, num_keys, key_keep_row, MASKED, IS_CAUSAL,
-                            HAS_KEY_MASK, 0)  # fmt: skip
+    scores = _masked_scores(scores, rows, cols, num_queries, num_keys, key_keep_row, docs, MASKED, IS_CAUSAL,
+                            HAS_KEY_MASK, HAS_DOCUMENTS, 0)  # fmt: skip
     new_max = tl.maximum(row_max, tl.max(scores, 1))
     rescale = tl.exp2(row_max - new_max)
     expo = tl.exp2(scores - new_max[:, None])
@@ -488,10 +532,11 @@ def _fwd_tile(q, v_query, sq_query_eps, row_max, row_sum, off_sum, acc, K, V, Sq
 
 @jit
 def _plap_fwd_kernel(
-    Q, K, V, SqNorms, KeyKeep, Out, Lse, OwnWeight,
+    Q, K, V, SqNorms, KeyKeep, Documents, Out, Lse, OwnWeight,
     head_start, run_heads, num_heads, num_queries, num_keys, scale_log2, exponent, eps,
     HEAD_DIM: constexpr, VALUE_DIM: constexpr, BLOCK_D: constexpr, BLOCK_DV: constexpr, BLOCK_M: constexpr,
-    BLOCK_N: constexpr, POWER: constexpr, IS_CAUSAL: constexpr, HAS_KEY_MASK: constexpr, EULER: constexpr,
+    BLOCK_N: constexpr, POWER: constexpr, IS_CAUSAL: constexpr, HAS_KEY_MASK: constexpr,
+    HAS_DOCUMENTS: constexpr, EULER: constexpr,
 ):  # fmt: skip
     pid_m, slab = _program_ids(num_queries, head_start, run_heads, num_heads, BLOCK_M)
     offset = num_keys - num_queries  # query i is the token at key position offset + i
@@ -505,23 +550,25 @@ def _plap_fwd_kernel(
     q = _load_rows(Q + slab * num_queries * HEAD_DIM, rows, num_queries, HEAD_DIM, BLOCK_D)
     v_query = _load_rows(V, rows + offset, num_keys, VALUE_DIM, BLOCK_DV)
     sq_query_eps = tl.load(SqNorms + rows + offset, mask=row_in, other=0.0) + eps
+    docs, span = _fixed_documents(Documents, slab, num_heads, rows, num_keys, HAS_DOCUMENTS)
 
     row_max = tl.full([BLOCK_M], MIN_SCORE, tl.float32)
     row_sum = tl.zeros([BLOCK_M], tl.float32)
     off_sum = tl.zeros([BLOCK_M], tl.float32)  # rowsum(W_off) * running normaliser, euler only
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    plain, masked = _key_loop_bounds(pid_m, num_queries, num_keys, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_KEY_MASK)
+    plain, masked = _key_loop_bounds(pid_m, num_queries, num_keys, span, BLOCK_M, BLOCK_N, IS_CAUSAL,
+                                     HAS_KEY_MASK)  # fmt: skip
     for index in range(0, plain[0]):
         row_max, row_sum, off_sum, acc = _fwd_tile(
-            q, v_query, sq_query_eps, row_max, row_sum, off_sum, acc, K, V, SqNorms, key_keep_row, rows,
+            q, v_query, sq_query_eps, row_max, row_sum, off_sum, acc, K, V, SqNorms, key_keep_row, docs, rows,
             _tile_start(index, plain, BLOCK_N), num_queries, num_keys, scale_log2, exponent, eps, HEAD_DIM,
-            VALUE_DIM, BLOCK_D, BLOCK_DV, BLOCK_N, POWER, False, IS_CAUSAL, HAS_KEY_MASK, EULER,
+            VALUE_DIM, BLOCK_D, BLOCK_DV, BLOCK_N, POWER, False, IS_CAUSAL, HAS_KEY_MASK, HAS_DOCUMENTS, EULER,
         )  # fmt: skip
     for index in range(0, masked[0]):
         row_max, row_sum, off_sum, acc = _fwd_tile(
-            q, v_query, sq_query_eps, row_max, row_sum, off_sum, acc, K, V, SqNorms, key_keep_row, rows,
+            q, v_query, sq_query_eps, row_max, row_sum, off_sum, acc, K, V, SqNorms, key_keep_row, docs, rows,
             _tile_start(index, masked, BLOCK_N), num_queries, num_keys, scale_log2, exponent, eps, HEAD_DIM,
-            VALUE_DIM, BLOCK_D, BLOCK_DV, BLOCK_N, POWER, True, IS_CAUSAL, HAS_KEY_MASK, EULER,
+            VALUE_DIM, BLOCK_D, BLOCK_DV, BLOCK_N, POWER, True, IS_CAUSAL, HAS_KEY_MASK, HAS_DOCUMENTS, EULER,
         )  # fmt: skip
 
     valid = row_sum > 0  # at least one allowed key; fully masked rows output zeros
@@ -539,14 +586,15 @@ def _plap_fwd_kernel(
 
 @jit
 def _tile_grads(
-    q, k, v_query, values, sq_query_eps, sq_keys, grad_out, lse, delta, own_dot, rows, cols, key_keep_row,
+    q, k, v_query, values, sq_query_eps, sq_keys, grad_out, lse, delta, own_dot, rows, cols, key_keep_row, docs,
     num_queries, num_keys, scale_log2, exponent, eps,
-    POWER: constexpr, MASKED: constexpr, IS_CAUSAL: constexpr, HAS_KEY_MASK: constexpr, EULER: constexpr,
-    QUERY_AXIS: constexpr,
+    POWER: constexpr, MASKED: constexpr, IS_CAUSAL: constexpr, HAS_KEY_MASK: constexpr, HAS_DOCUMENTS: constexpr,
+    EULER: constexpr, QUERY_AXIS: constexpr,
 ):  # fmt: skip
     """Recompute one tile: W (W_off for euler), dS and 2 dL/dD2 (0 on self pairs)."""
     scores = _masked_scores(_pair_dot(q, k, QUERY_AXIS) * scale_log2, rows, cols, num_queries, num_keys,
-                            key_keep_row, MASKED, IS_CAUSAL, HAS_KEY_MASK, QUERY_AXIS)  # fmt: skip
+                            key_keep_row, docs, MASKED, IS_CAUSAL, HAS_KEY_MASK, HAS_DOCUMENTS,
+                            QUERY_AXIS)  # fmt: skip
     attn = tl.exp2(scores - _per_query(lse, QUERY_AXIS))
     dist_eps, is_self = _distances(v_query, sq_query_eps, values, sq_keys, rows, cols, num_keys - num_queries, eps,
                                    MASKED, QUERY_AXIS)  # fmt: skip
@@ -585,10 +633,10 @@ def _query_side(slab, rows, V, SqNorms, GradOut, Lse, Delta, OwnDot, num_queries
 
 @jit
 def _dkdv_tile(grad_k, grad_v, grad_dist_sum, k, values, sq_keys, cols, start, slab, Q, V, SqNorms, GradOut, Lse,
-               Delta, OwnDot, key_keep_row, num_queries, num_keys, scale_log2, exponent, eps, HEAD_DIM: constexpr,
-               VALUE_DIM: constexpr, BLOCK_D: constexpr, BLOCK_DV: constexpr, BLOCK_M: constexpr,
-               POWER: constexpr, MASKED: constexpr, IS_CAUSAL: constexpr, HAS_KEY_MASK: constexpr,
-               EULER: constexpr):  # fmt: skip
+               Delta, OwnDot, key_keep_row, docs, num_queries, num_keys, scale_log2, exponent, eps,
+               HEAD_DIM: constexpr, VALUE_DIM: constexpr, BLOCK_D: constexpr, BLOCK_DV: constexpr,
+               BLOCK_M: constexpr, POWER: constexpr, MASKED: constexpr, IS_CAUSAL: constexpr,
+               HAS_KEY_MASK: constexpr, HAS_DOCUMENTS: constexpr, EULER: constexpr):  # fmt: skip
     rows = start + tl.arange(0, BLOCK_M)
     q = _load_rows(Q + slab * num_queries * HEAD_DIM, rows, num_queries, HEAD_DIM, BLOCK_D)
     v_query, sq_query_eps, grad_out, lse, delta, own_dot = _query_side(
@@ -596,8 +644,9 @@ def _dkdv_tile(grad_k, grad_v, grad_dist_sum, k, values, sq_keys, cols, start, s
     )
     # (keys, queries) tiles
     weights, grad_scores, grad_dist = _tile_grads(
-        q, k, v_query, values, sq_query_eps, sq_keys, grad_out, lse, delta, own_dot, rows, cols, key_keep_row,
-        num_queries, num_keys, scale_log2, exponent, eps, POWER, MASKED, IS_CAUSAL, HAS_KEY_MASK, EULER, 1,
+        q, k, v_query, values, sq_query_eps, sq_keys, grad_out, lse, delta, own_dot, rows, cols, key_keep_row, docs,
+        num_queries, num_keys, scale_log2, exponent, eps, POWER, MASKED, IS_CAUSAL, HAS_KEY_MASK, HAS_DOCUMENTS,
+        EULER, 1,
     )  # fmt: skip
     grad_v += tl.dot(weights.to(grad_out.dtype), grad_out, input_precision=FLOAT32_DOT)
     grad_k += tl.dot(grad_scores.to(q.dtype), q, input_precision=FLOAT32_DOT)
@@ -609,10 +658,11 @@ def _dkdv_tile(grad_k, grad_v, grad_dist_sum, k, values, sq_keys, cols, start, s
 
 @jit
 def _plap_bwd_dkdv_kernel(
-    Q, K, V, SqNorms, KeyKeep, GradOut, Lse, Delta, OwnDot, GradK, GradV,
+    Q, K, V, SqNorms, KeyKeep, Documents, GradOut, Lse, Delta, OwnDot, GradK, GradV,
     head_start, run_heads, num_heads, num_queries, num_keys, scale_log2, exponent, eps,
     HEAD_DIM: constexpr, VALUE_DIM: constexpr, BLOCK_D: constexpr, BLOCK_DV: constexpr, BLOCK_M: constexpr,
-    BLOCK_N: constexpr, POWER: constexpr, IS_CAUSAL: constexpr, HAS_KEY_MASK: constexpr, EULER: constexpr,
+    BLOCK_N: constexpr, POWER: constexpr, IS_CAUSAL: constexpr, HAS_KEY_MASK: constexpr,
+    HAS_DOCUMENTS: constexpr, EULER: constexpr,
 ):  # fmt: skip
     pid_n, slab = _program_ids(num_keys, head_start, run_heads, num_heads, BLOCK_N)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -622,22 +672,26 @@ def _plap_bwd_dkdv_kernel(
     k = _load_rows(K + slab * num_keys * HEAD_DIM, cols, num_keys, HEAD_DIM, BLOCK_D)
     values = _load_rows(V, cols, num_keys, VALUE_DIM, BLOCK_DV)
     sq_keys = tl.load(SqNorms + cols, mask=cols < num_keys, other=0.0)
+    docs, span = _fixed_documents(Documents, slab, num_heads, cols, num_keys, HAS_DOCUMENTS)
 
     grad_k = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     grad_v = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
     grad_dist_sum = tl.zeros([BLOCK_N], tl.float32)
-    plain, masked = _query_loop_bounds(pid_n, num_queries, num_keys, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_KEY_MASK)
+    plain, masked = _query_loop_bounds(pid_n, num_queries, num_keys, span, BLOCK_M, BLOCK_N, IS_CAUSAL,
+                                       HAS_KEY_MASK)  # fmt: skip
     for index in range(0, plain[0]):
         grad_k, grad_v, grad_dist_sum = _dkdv_tile(
             grad_k, grad_v, grad_dist_sum, k, values, sq_keys, cols, _tile_start(index, plain, BLOCK_M), slab, Q, V,
-            SqNorms, GradOut, Lse, Delta, OwnDot, key_keep_row, num_queries, num_keys, scale_log2, exponent, eps,
-            HEAD_DIM, VALUE_DIM, BLOCK_D, BLOCK_DV, BLOCK_M, POWER, False, IS_CAUSAL, HAS_KEY_MASK, EULER,
+            SqNorms, GradOut, Lse, Delta, OwnDot, key_keep_row, docs, num_queries, num_keys, scale_log2, exponent,
+            eps, HEAD_DIM, VALUE_DIM, BLOCK_D, BLOCK_DV, BLOCK_M, POWER, False, IS_CAUSAL, HAS_KEY_MASK,
+            HAS_DOCUMENTS, EULER,
         )  # fmt: skip
     for index in range(0, masked[0]):
         grad_k, grad_v, grad_dist_sum = _dkdv_tile(
             grad_k, grad_v, grad_dist_sum, k, values, sq_keys, cols, _tile_start(index, masked, BLOCK_M), slab, Q,
-            V, SqNorms, GradOut, Lse, Delta, OwnDot, key_keep_row, num_queries, num_keys, scale_log2, exponent, eps,
-            HEAD_DIM, VALUE_DIM, BLOCK_D, BLOCK_DV, BLOCK_M, POWER, True, IS_CAUSAL, HAS_KEY_MASK, EULER,
+            V, SqNorms, GradOut, Lse, Delta, OwnDot, key_keep_row, docs, num_queries, num_keys, scale_log2, exponent,
+            eps, HEAD_DIM, VALUE_DIM, BLOCK_D, BLOCK_DV, BLOCK_M, POWER, True, IS_CAUSAL, HAS_KEY_MASK,
+            HAS_DOCUMENTS, EULER,
         )  # fmt: skip
 
     grad_v += grad_dist_sum[:, None] * values.to(tl.float32)
@@ -647,17 +701,18 @@ def _plap_bwd_dkdv_kernel(
 
 @jit
 def _dq_tile(grad_q, grad_v_own, grad_dist_sum, q, v_query, sq_query_eps, grad_out, lse, delta, own_dot, rows,
-             start, K, V, SqNorms, key_keep_row, num_queries, num_keys, scale_log2, exponent, eps,
+             start, K, V, SqNorms, key_keep_row, docs, num_queries, num_keys, scale_log2, exponent, eps,
              HEAD_DIM: constexpr, VALUE_DIM: constexpr, BLOCK_D: constexpr, BLOCK_DV: constexpr,
              BLOCK_N: constexpr, POWER: constexpr, MASKED: constexpr, IS_CAUSAL: constexpr,
-             HAS_KEY_MASK: constexpr, EULER: constexpr):  # fmt: skip
+             HAS_KEY_MASK: constexpr, HAS_DOCUMENTS: constexpr, EULER: constexpr):  # fmt: skip
     cols = start + tl.arange(0, BLOCK_N)
     k = _load_rows(K, cols, num_keys, HEAD_DIM, BLOCK_D)
     values = _load_rows(V, cols, num_keys, VALUE_DIM, BLOCK_DV)
     sq_keys = tl.load(SqNorms + cols, mask=cols < num_keys, other=0.0)
     weights, grad_scores, grad_dist = _tile_grads(
-        q, k, v_query, values, sq_query_eps, sq_keys, grad_out, lse, delta, own_dot, rows, cols, key_keep_row,
-        num_queries, num_keys, scale_log2, exponent, eps, POWER, MASKED, IS_CAUSAL, HAS_KEY_MASK, EULER, 0,
+        q, k, v_query, values, sq_query_eps, sq_keys, grad_out, lse, delta, own_dot, rows, cols, key_keep_row, docs,
+        num_queries, num_keys, scale_log2, exponent, eps, POWER, MASKED, IS_CAUSAL, HAS_KEY_MASK, HAS_DOCUMENTS,
+        EULER, 0,
     )  # fmt: skip
     grad_q += tl.dot(grad_scores.to(k.dtype), k, input_precision=FLOAT32_DOT)
     grad_v_own = _exact_dot(-grad_dist, values, grad_v_own)
@@ -667,10 +722,11 @@ def _dq_tile(grad_q, grad_v_own, grad_dist_sum, q, v_query, sq_query_eps, grad_o
 
 @jit
 def _plap_bwd_dq_kernel(
-    Q, K, V, SqNorms, KeyKeep, GradOut, Lse, Delta, OwnDot, OwnWeight, GradQ, GradV,
+    Q, K, V, SqNorms, KeyKeep, Documents, GradOut, Lse, Delta, OwnDot, OwnWeight, GradQ, GradV,
     head_start, run_heads, num_heads, num_queries, num_keys, scale_log2, exponent, eps,
     HEAD_DIM: constexpr, VALUE_DIM: constexpr, BLOCK_D: constexpr, BLOCK_DV: constexpr, BLOCK_M: constexpr,
-    BLOCK_N: constexpr, POWER: constexpr, IS_CAUSAL: constexpr, HAS_KEY_MASK: constexpr, EULER: constexpr,
+    BLOCK_N: constexpr, POWER: constexpr, IS_CAUSAL: constexpr, HAS_KEY_MASK: constexpr,
+    HAS_DOCUMENTS: constexpr, EULER: constexpr,
 ):  # fmt: skip
     pid_m, slab = _program_ids(num_queries, head_start, run_heads, num_heads, BLOCK_M)
     offset = num_keys - num_queries
@@ -683,24 +739,26 @@ def _plap_bwd_dq_kernel(
     v_query, sq_query_eps, grad_out, lse, delta, own_dot = _query_side(
         slab, rows, V, SqNorms, GradOut, Lse, Delta, OwnDot, num_queries, num_keys, eps, VALUE_DIM, BLOCK_DV
     )
+    docs, span = _fixed_documents(Documents, slab, num_heads, rows, num_keys, HAS_DOCUMENTS)
 
     grad_q = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     grad_v_own = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)  # query side of the distances
     grad_dist_sum = tl.zeros([BLOCK_M], tl.float32)
-    plain, masked = _key_loop_bounds(pid_m, num_queries, num_keys, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_KEY_MASK)
+    plain, masked = _key_loop_bounds(pid_m, num_queries, num_keys, span, BLOCK_M, BLOCK_N, IS_CAUSAL,
+                                     HAS_KEY_MASK)  # fmt: skip
     for index in range(0, plain[0]):
         grad_q, grad_v_own, grad_dist_sum = _dq_tile(
             grad_q, grad_v_own, grad_dist_sum, q, v_query, sq_query_eps, grad_out, lse, delta, own_dot, rows,
-            _tile_start(index, plain, BLOCK_N), K, V, SqNorms, key_keep_row, num_queries, num_keys, scale_log2,
+            _tile_start(index, plain, BLOCK_N), K, V, SqNorms, key_keep_row, docs, num_queries, num_keys, scale_log2,
             exponent, eps, HEAD_DIM, VALUE_DIM, BLOCK_D, BLOCK_DV, BLOCK_N, POWER, False, IS_CAUSAL, HAS_KEY_MASK,
-            EULER,
+            HAS_DOCUMENTS, EULER,
         )  # fmt: skip
     for index in range(0, masked[0]):
         grad_q, grad_v_own, grad_dist_sum = _dq_tile(
             grad_q, grad_v_own, grad_dist_sum, q, v_query, sq_query_eps, grad_out, lse, delta, own_dot, rows,
-            _tile_start(index, masked, BLOCK_N), K, V, SqNorms, key_keep_row, num_queries, num_keys, scale_log2,
+            _tile_start(index, masked, BLOCK_N), K, V, SqNorms, key_keep_row, docs, num_queries, num_keys, scale_log2,
             exponent, eps, HEAD_DIM, VALUE_DIM, BLOCK_D, BLOCK_DV, BLOCK_N, POWER, True, IS_CAUSAL, HAS_KEY_MASK,
-            EULER,
+            HAS_DOCUMENTS, EULER,
         )  # fmt: skip
 
     _store_rows(GradQ + slab * num_queries * HEAD_DIM, rows, num_queries, grad_q * (scale_log2 * LN_2), HEAD_DIM,
@@ -739,7 +797,8 @@ def head_runs(p):
     return [tuple(run) for run in runs]
 
 
-def _launches(kernel, config, rows, query, key, value, tensors, p, is_causal, has_key_mask, euler, eps):
+def _launches(kernel, config, rows, query, key, value, tensors, p, is_causal, has_key_mask, has_documents, euler,
+              eps):  # fmt: skip
     """One launch of ``kernel`` per run of heads; ``rows`` is the length of the side its blocks tile."""
     batch, heads, num_queries, head_dim = query.shape
     num_keys, value_dim = key.shape[2], value.shape[-1]
@@ -749,28 +808,36 @@ def _launches(kernel, config, rows, query, key, value, tensors, p, is_causal, ha
         meta = dict(HEAD_DIM=head_dim, VALUE_DIM=value_dim, BLOCK_D=padded_head_size(head_dim),
                     BLOCK_DV=padded_head_size(value_dim), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
                     POWER=POWER_CLASSES.get(run_p, 0), IS_CAUSAL=is_causal, HAS_KEY_MASK=has_key_mask,
-                    EULER=euler, num_warps=config.num_warps, num_stages=config.num_stages)  # fmt: skip
+                    HAS_DOCUMENTS=has_documents, EULER=euler, num_warps=config.num_warps,
+                    num_stages=config.num_stages)  # fmt: skip
         sizes = (first, end - first, heads, num_queries, num_keys, LOG2_E / math.sqrt(head_dim), (run_p - 2) / 2, eps)
         grid = (triton.cdiv(rows, block) * batch * (end - first),)
         launches.append(Launch(kernel, grid, (*tensors, *sizes), meta))
     return launches
 
 
-def forward_launches(query, key, value, sq_norms, key_keep, out, lse, own_weight, p, is_causal, eps, euler, config):
+def _masks(sq_norms, key_keep, documents):
+    """The kernels' KeyKeep and Documents arguments; an absent one is a placeholder tensor never read."""
+    return tuple(sq_norms if mask is None else mask for mask in (key_keep, documents))
+
+
+def forward_launches(query, key, value, sq_norms, key_keep, documents, out, lse, own_weight, p, is_causal, eps,
+                     euler, config):  # fmt: skip
     """The forward launches of contiguous inputs; ``key_keep`` is the (B, Nk) int8 padding mask or None,
-    ``sq_norms`` the (B, H, Nk) float32 squared norms of the values."""
-    tensors = (query, key, value, sq_norms, sq_norms if key_keep is None else key_keep, out, lse, own_weight)
+    ``documents`` the ``document_table`` of packed rows or None, ``sq_norms`` the (B, H, Nk) float32 squared
+    norms of the values."""
+    tensors = (query, key, value, sq_norms, *_masks(sq_norms, key_keep, documents), out, lse, own_weight)
     return _launches(_plap_fwd_kernel, config.fwd, query.shape[2], query, key, value, tensors, p, is_causal,
-                     key_keep is not None, euler, eps)  # fmt: skip
+                     key_keep is not None, documents is not None, euler, eps)  # fmt: skip
 
 
 def backward_launches(
-    query, key, value, sq_norms, key_keep, grad_out, lse, delta, own_dot, own_weight, grad_q, grad_k, grad_v, p,
-    is_causal, eps, euler, config,
+    query, key, value, sq_norms, key_keep, documents, grad_out, lse, delta, own_dot, own_weight, grad_q, grad_k,
+    grad_v, p, is_causal, eps, euler, config,
 ):  # fmt: skip
     """The dk/dv launches, then the dq launches (which add to the dv rows of each query's own value)."""
-    inputs = (query, key, value, sq_norms, sq_norms if key_keep is None else key_keep, grad_out, lse, delta, own_dot)
-    flags = (p, is_causal, key_keep is not None, euler, eps)
+    inputs = (query, key, value, sq_norms, *_masks(sq_norms, key_keep, documents), grad_out, lse, delta, own_dot)
+    flags = (p, is_causal, key_keep is not None, documents is not None, euler, eps)
     dkdv = _launches(_plap_bwd_dkdv_kernel, config.dkdv, key.shape[2], query, key, value, (*inputs, grad_k, grad_v),
                      *flags)  # fmt: skip
     dq = _launches(_plap_bwd_dq_kernel, config.dq, query.shape[2], query, key, value,
@@ -795,25 +862,42 @@ def _run(launch, query, value):
         ) from error
 
 
+def document_table(document_ids):
+    """(B, N, 3) int32 of packed rows: per token its document (ids renumbered 0, 1, ... in each row, equal where
+    ``document_ids`` are equal), and the first and one past the last position of that document's tokens, the
+    span that the kernels' loops visit. Tensor operations only (no host reads)."""
+    batch, length = document_ids.shape
+    sorted_ids, order = document_ids.sort(dim=-1, stable=True)  # equal ids keep their positions' order
+    positions = torch.arange(length, device=document_ids.device).expand(batch, length)
+    starts = torch.ones_like(sorted_ids, dtype=torch.bool)
+    starts[:, 1:] = sorted_ids[:, 1:] != sorted_ids[:, :-1]
+    ends = torch.ones_like(starts)
+    ends[:, :-1] = starts[:, 1:]
+    first = order.gather(-1, torch.where(starts, positions, 0).cummax(-1).values)
+    last = order.gather(-1, torch.where(ends, positions, length - 1).flip(-1).cummin(-1).values.flip(-1))
+    table = torch.stack([starts.cumsum(-1) - 1, first, last + 1], -1)  # in sorted order
+    return torch.empty_like(table).scatter_(1, order[..., None].expand_as(table), table).to(torch.int32)
+
+
 class _PlapAttentionTriton(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, query, key, value, key_keep, p, is_causal, eps, euler, config):
+    def forward(ctx, query, key, value, key_keep, documents, p, is_causal, eps, euler, config):
         batch, heads, num_queries, _ = query.shape
         out = query.new_empty(batch, heads, num_queries, value.shape[-1])  # (B, H, Nq, dv)
         lse = torch.empty(batch, heads, num_queries, device=query.device, dtype=torch.float32)
         own_weight = torch.empty_like(lse) if euler else lse  # written by euler only
         sq_norms = value.float().square().sum(-1)  # (B, H, Nk)
         for launch in forward_launches(
-            query, key, value, sq_norms, key_keep, out, lse, own_weight, p, is_causal, eps, euler, config
+            query, key, value, sq_norms, key_keep, documents, out, lse, own_weight, p, is_causal, eps, euler, config
         ):  # fmt: skip
             _run(launch, query, value)
-        ctx.save_for_backward(query, key, value, sq_norms, key_keep, out, lse, own_weight)
+        ctx.save_for_backward(query, key, value, sq_norms, key_keep, documents, out, lse, own_weight)
         ctx.args = (p, is_causal, eps, euler, config)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        query, key, value, sq_norms, key_keep, out, lse, own_weight = ctx.saved_tensors
+        query, key, value, sq_norms, key_keep, documents, out, lse, own_weight = ctx.saved_tensors
         p, is_causal, eps, euler, config = ctx.args
         num_queries, num_keys = query.shape[2], key.shape[2]
         grad_out = grad_out.contiguous()
@@ -825,12 +909,12 @@ class _PlapAttentionTriton(torch.autograd.Function):
         grad_k = torch.empty(key.shape, device=query.device, dtype=torch.float32)
         grad_v = torch.empty(value.shape, device=query.device, dtype=torch.float32)
         for launch in backward_launches(
-            query, key, value, sq_norms, key_keep, grad_out, lse, delta, own_dot, own_weight, grad_q, grad_k,
-            grad_v, p, is_causal, eps, euler, config,
+            query, key, value, sq_norms, key_keep, documents, grad_out, lse, delta, own_dot, own_weight, grad_q,
+            grad_k, grad_v, p, is_causal, eps, euler, config,
         ):  # fmt: skip
             _run(launch, query, value)
         grads = (grad_q.to(query.dtype), grad_k.to(key.dtype), grad_v.to(value.dtype))
-        return *grads, None, None, None, None, None, None
+        return *grads, None, None, None, None, None, None, None
 
 
 def plap_attention_triton(
@@ -863,5 +947,7 @@ def plap_attention_triton(
         batch, num_keys = query.shape[0], key.shape[2]
         key_keep = attn_mask.reshape(_key_padding_shape(attn_mask)).expand(batch, num_keys)
         key_keep = key_keep.to(torch.int8).contiguous()  # (B, Nk)
+    documents = None if document_ids is None else document_table(document_ids)
     query, key, value = (tensor.contiguous() for tensor in (query, key, value))  # offsets follow from shapes
-    return _PlapAttentionTriton.apply(query, key, value, key_keep, p, is_causal, eps, formulation == "euler", config)
+    return _PlapAttentionTriton.apply(query, key, value, key_keep, documents, p, is_causal, eps, formulation == "euler",
+                                      config)  # fmt: skip

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from modeling_plat import plap_attention
-from test_backends import TORCH_BACKENDS, check, make_inputs
+from test_backends import TORCH_BACKENDS, check, make_inputs, needs_triton, triton_small_blocks
 
 # Document lengths of two packed rows: not multiples of any tile, a one-token document, a long one.
 LENGTHS = [[5, 11, 1, 20], [37]]
@@ -16,6 +16,7 @@ def document_ids(lengths):
 
 
 BACKENDS = {name: run for name, run in TORCH_BACKENDS.items() if name != "decode"}  # decoding has no packing
+BACKENDS["triton-small-blocks"] = needs_triton(triton_small_blocks)
 
 
 @pytest.mark.parametrize("formulation", ["paper", "euler"])
@@ -60,3 +61,12 @@ def test_packing_that_cannot_be_honoured_is_refused(ids, nq, message):
     (q, k, v), p = make_inputs(1, 3, 37, 37, 16, 16, torch.float32)
     with pytest.raises(ValueError, match=message):
         plap_attention(q[:, :, -nq:], k, v, p, is_causal=True, document_ids=ids)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_document_ids_compare_as_values(backend):
+    """A token attends to every token with its document id, also where that id comes back after another
+    document (the reference's rule), and ids need not be small or sorted."""
+    inputs, p = make_inputs(2, 3, 37, 37, 16, 16, torch.float32)
+    ids = torch.tensor([[9] * 7 + [-4] * 12 + [9] * 18, [5] * 20 + [1000] * 17])
+    check(BACKENDS[backend], inputs, p, torch.float32, is_causal=False, formulation="paper", document_ids=ids)

@@ -8,8 +8,8 @@ other 8.x GPUs share) and sm_90 (H100), for each dtype and head size that ``trit
 there. Each must compile and its shared memory must fit the smallest limit among the GPUs that use its
 configuration; registers and spills are printed.
 
-Compiled: every admitted (arch, dtype, head size) with causal + key padding + euler (every optional branch of
-the kernels, and the most state), at head sizes 16, 32, 64, 128 (one per padded size) and 80 (not a power of
+Compiled: every admitted (arch, dtype, head size) with causal + key padding + euler + packed documents (every
+optional branch of the kernels, and the most state; packed rows have as many queries as keys), at head sizes 16, 32, 64, 128 (one per padded size) and 80 (not a power of
 two, padded to 128) and one with a value size that differs; and per (arch, dtype) the other side of each
 branch (no mask, paper) at head size 64 with lengths that are not multiples of 16 and Nq < Nk. ``-m slow``
 compiles more head sizes, every flag combination at head size 64, and sm_86 / sm_89 as well. Triton's cache
@@ -42,9 +42,10 @@ def admitted(arch, dtype, head_dim, value_dim):
 
 
 def make_case(arch, dtype, head_dim, value_dim, flags, lengths, p):
-    is_causal, key_mask, euler = flags
+    is_causal, key_mask, euler, documents = flags
     return dict(arch=arch, dtype=dtype, head_dim=head_dim, value_dim=value_dim, is_causal=is_causal,
-                key_mask=key_mask, euler=euler, num_queries=lengths[0], num_keys=lengths[1], p=p)  # fmt: skip
+                key_mask=key_mask, euler=euler, documents=documents, num_queries=lengths[0],
+                num_keys=lengths[1] if not documents else lengths[0], p=p)  # fmt: skip
 
 
 def cases(archs, head_dims, flag_sets, lengths=(256, 256), p=1.5):
@@ -55,7 +56,7 @@ def cases(archs, head_dims, flag_sets, lengths=(256, 256), p=1.5):
     ]
 
 
-ALL_ON, ALL_OFF = (True, True, True), (False, False, False)
+ALL_ON, ALL_OFF = (True,) * 4, (False,) * 4
 # The power's classes (p = 1.5, 2.5 and any other p) compile different code: the other two at head size 128.
 DEFAULT_CASES = (
     cases((80, 90), [(16, 16), (32, 32), (64, 64), (80, 80), (128, 128), (64, 80)], [ALL_ON])
@@ -65,7 +66,7 @@ DEFAULT_CASES = (
 SLOW_ARCHS = (80, 86, 89, 90)
 SLOW_CASES = cases(
     SLOW_ARCHS, [(d, d) for d in (16, 24, 32, 48, 64, 80, 96, 128)] + [(16, 24), (128, 64)], [ALL_ON], (197, 250)
-) + cases(SLOW_ARCHS, [(64, 64)], [f for f in itertools.product((False, True), repeat=3) if f != ALL_ON], (197, 250))
+) + cases(SLOW_ARCHS, [(64, 64)], [f for f in itertools.product((False, True), repeat=4) if f != ALL_ON], (197, 250))
 
 
 def compile_all(cases, tmp_path_factory, pytestconfig):

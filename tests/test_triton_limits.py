@@ -184,3 +184,13 @@ def test_a_launch_failure_names_the_configuration(monkeypatch):
                  "plap_backend='tiled'"):  # fmt: skip
         assert part in message
     assert isinstance(failure.value.__cause__, OutOfResources)
+
+
+def test_packed_rows_of_a_direct_call_are_checked():
+    """The dispatcher checks document_ids first; a direct call of the backend gets the reason, not a wrong read."""
+    q = torch.zeros(1, 2, 8, 16)
+    kv = torch.zeros(1, 2, 12, 16)
+    with pytest.raises(ValueError, match="as many queries as keys"):
+        triton_module.plap_attention_triton(q, kv, kv, p=(1.5, 1.5), document_ids=torch.zeros(1, 12, dtype=torch.long))
+    with pytest.raises(ValueError, match="got ids of shape \\(1, 7\\)"):
+        triton_module.plap_attention_triton(q, q, q, p=(1.5, 1.5), document_ids=torch.zeros(1, 7, dtype=torch.long))

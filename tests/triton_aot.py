@@ -35,7 +35,8 @@ DEFAULT_P = 1.5  # the paper's p < 2; p = 2.5 and any other p compile other powe
 
 
 def case_id(case):
-    flags = "".join(name for name, on in (("causal-", case["is_causal"]), ("padding-", case["key_mask"])) if on)
+    flags = "".join(name for name, on in (("causal-", case["is_causal"]), ("padding-", case["key_mask"]),
+                                          ("packed-", case.get("documents"))) if on)  # fmt: skip
     return (
         f"sm{case['arch']}-{case['dtype']}-d{case['head_dim']}-dv{case['value_dim']}-{flags}"
         f"{'euler' if case['euler'] else 'paper'}-p{case.get('p', DEFAULT_P)}-nq{case['num_queries']}"
@@ -56,12 +57,13 @@ def launches(triton_module, case):
     stats = torch.zeros(batch, heads, nq)  # lse, own weight, delta, own dot
     sq_norms = torch.zeros(batch, heads, nk)
     key_keep = torch.ones(batch, nk, dtype=torch.int8) if case["key_mask"] else None
+    documents = torch.zeros(batch, nk, 3, dtype=torch.int32) if case.get("documents") else None
     grads = [torch.zeros(t.shape) for t in (query, key, value)]
     config = triton_module.launch_config(dtype, d, dv, (case["arch"] // 10, case["arch"] % 10))
     flags = ((case.get("p", DEFAULT_P),) * heads, case["is_causal"], 1e-6, case["euler"], config)
-    (fwd,) = triton_module.forward_launches(query, key, value, sq_norms, key_keep, out, stats, stats, *flags)
+    (fwd,) = triton_module.forward_launches(query, key, value, sq_norms, key_keep, documents, out, stats, stats, *flags)
     dkdv, dq = triton_module.backward_launches(
-        query, key, value, sq_norms, key_keep, out, stats, stats, stats, stats, *grads, *flags
+        query, key, value, sq_norms, key_keep, documents, out, stats, stats, stats, stats, *grads, *flags
     )
     return zip(KERNELS, (fwd, dkdv, dq))
 
