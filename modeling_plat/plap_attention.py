@@ -12,13 +12,13 @@ Nothing here reads a tensor on the host: p is static data, so compiled graphs do
 """
 
 import math
+import os
 
 import torch
 import torch.nn.functional as F
 
 from .plap_attention_decode import DECODE_MAX_QUERIES, decode_unsupported_reason, plap_attention_decode
 from .plap_attention_tiled import plap_attention_tiled
-from .plap_attention_triton import plap_attention_triton, triton_unsupported_reason
 from .plap_attention_reference import FORMULATIONS, allowed_positions, plap_attention_eager
 
 # On CPU the eager backend beats the tiled one up to this many scores (B * H * Nq * Nk of the heads with p != 2)
@@ -51,11 +51,26 @@ def _eager(query, key, value, **kwargs):
     return plap_attention_eager(query, key, value, **kwargs)[0]
 
 
+# The Triton module imports triton (seconds) and, under TRITON_INTERPRET=1, the interpreter: loaded on first use.
+def _triton(query, key, value, **kwargs):
+    from .plap_attention_triton import plap_attention_triton
+
+    return plap_attention_triton(query, key, value, **kwargs)
+
+
+def _triton_limits(query, key, value, **kwargs):
+    if query.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        return "the Triton kernels need CUDA tensors (CPU tensors run only under TRITON_INTERPRET=1)"
+    from .plap_attention_triton import triton_unsupported_reason
+
+    return triton_unsupported_reason(query, key, value, **kwargs)
+
+
 REGISTRY = {
     "eager": Backend("eager", _eager, tuple(FORMULATIONS), differentiates_p=True),
     "decode": Backend("decode", plap_attention_decode, ("paper", "euler"), limits=decode_unsupported_reason),
     "tiled": Backend("tiled", plap_attention_tiled, ("paper", "euler")),
-    "triton": Backend("triton", plap_attention_triton, ("paper", "euler"), limits=triton_unsupported_reason),
+    "triton": Backend("triton", _triton, ("paper", "euler"), limits=_triton_limits),
 }
 BACKENDS = ("auto", *REGISTRY)
 

@@ -11,11 +11,13 @@ import pytest
 import yaml
 
 import transformers.trainer
+from transformers.dynamic_module_utils import get_relative_import_files
 from tiny import run_without_plugin
 
 ROOT = Path(__file__).resolve().parents[1]
-MODELING_FILES = {"configuration_plat.py", "modeling_plat.py", "plap_attention.py", "plap_attention_tiled.py", "float32_matmul.py",
-                  "plap_attention_triton.py"}
+# The remote code transformers itself would copy for the model class: its file and every relative import in it.
+MODELING_FILES = {Path(f).name for f in [ROOT / "modeling_plat" / "modeling_plat.py",
+                                         *get_relative_import_files(ROOT / "modeling_plat" / "modeling_plat.py")]}
 RESULT_FILES = {"all_results.json", "train_results.json", "trainer_state.json",
                 "training_args.bin"}
 

@@ -328,7 +328,7 @@ def test_two_process_ddp_on_cpu(folders, tmp_path):
     command = [
         *two_processes("torchrun"), str(SCRIPT),
         *map(str, folder_args(folders, output_dir, "--do_train", "--do_eval", "--max_steps", 2,
-                              "--ddp_backend", "gloo", "--mixup_alpha", 0.8)),
+                              "--use_cpu", "--ddp_backend", "gloo", "--mixup_alpha", 0.8)),
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     completed = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
