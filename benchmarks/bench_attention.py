@@ -23,17 +23,14 @@ import csv
 import json
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from machine import facts_label, machine_facts  # noqa: E402
-from modeling_plat.plap_attention import choose_backend, plap_attention  # noqa: E402
+from machine import facts_label, machine_facts
+from modeling_plat.plap_attention import choose_backend, plap_attention
 
 # name: (batch, heads, length, head size, causal, p per head)
 SHAPES = {

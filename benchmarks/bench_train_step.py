@@ -21,18 +21,15 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForImageClassification, GPT2Config, ViTConfig
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from machine import facts_label, machine_facts  # noqa: E402
-from modeling_plat import PlatConfig, PlatForCausalLM, PlatForImageClassification, PlatVisionConfig  # noqa: E402
-from plat_train.presets import resolve_config_name  # noqa: E402
+from machine import facts_label, machine_facts
+from modeling_plat import PlatConfig, PlatForCausalLM, PlatForImageClassification, PlatVisionConfig
+from plat_train.presets import resolve_config_name
 
 DEIT_TINY = dict(hidden_size=192, num_hidden_layers=12, num_attention_heads=3, intermediate_size=768)
 PAPER_LM = dict(hidden_size=128, num_hidden_layers=16, num_attention_heads=8, intermediate_size=512)

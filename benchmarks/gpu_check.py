@@ -5,7 +5,7 @@
 1. Correctness sweep: float32 / bfloat16 / float16 x head sizes 16, 48, 64, 80, 128 x paper / euler x
    (no mask, causal + key padding) x (Nq = Nk, Nq < Nk), through ``backend="auto"`` and, where it admits the
    input, ``backend="triton"``: the output and the gradients of q, k and v against the float64 eager
-   reference on the same GPU (relative errors, the tolerances of tests/test_backends.py), and a second run
+   reference on the same GPU (relative errors, the tolerances of tests/attention/test_backends.py), and a second run
    that must be bitwise identical. Then the eager and tiled backends in float32 on values with exact
    duplicates (repeated tokens), where the distance expansion cancels, with TF32 matmuls on
    (torch.backends.cuda.matmul.allow_tf32): their errors must stay within twice those with TF32 off.
@@ -30,15 +30,12 @@ import platform
 import statistics
 import subprocess
 import sys
-import time
 import traceback
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from modeling_plat.plap_attention import choose_backend, plap_attention  # noqa: E402
+from modeling_plat.plap_attention import choose_backend, plap_attention
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 HEAD_DIMS = (16, 48, 64, 80, 128)
@@ -295,7 +292,6 @@ def main(argv=None):
             except Exception as error:
                 failures.append(f"attention benchmark {name}: {type(error).__name__}: {error}")
             print(json.dumps(report["attention"][-1:]))
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
         report["train_step"] = {}
         for pair in ("vision", "lm"):
             try:

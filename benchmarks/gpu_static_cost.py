@@ -3,7 +3,7 @@
     python benchmarks/gpu_static_cost.py [--quick] [--json results.json]
 
 Each kernel (forward, dK/dV, dQ) is compiled for sm_90 (H100) and sm_80 (A100) with the launch configuration
-that the Triton backend uses there (tests/triton_aot.py: Triton's compiler and the ptxas of its wheel), then
+that the Triton backend uses there (benchmarks/triton_aot.py: Triton's compiler and the ptxas of its wheel), then
 disassembled with the wheel's ``cuobjdump -sass``. The main loop is the range of a backward branch, the
 shortest that holds a matmul (the loop of plain tiles where a kernel splits off the masked ones). Its
 instructions are counted per score, that is divided by the scores one thread handles per iteration
@@ -38,12 +38,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(Path(__file__).resolve().parent)]
 os.environ["TRITON_DUMP_PTXAS_LOG"] = "1"  # ptxas' registers, spills and warnings, read by the compile log
 os.environ.setdefault("TRITON_CACHE_DIR", tempfile.mkdtemp(prefix="gpu-static-cost-"))  # a cache hit has no log
 
-import torch  # noqa: E402
+import torch
 
 # Per-SM throughputs per clock, as in the module docstring.
 THROUGHPUT = {

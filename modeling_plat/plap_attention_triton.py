@@ -34,7 +34,7 @@ contiguous once, so that the kernels compute offsets from the shapes. No gradien
 
 What a GPU can run is decided before any launch, by ``triton_unsupported_reason``: the Triton version, the
 compute capability, dtypes, head sizes per dtype and architecture (so that the tiles fit its shared memory),
-mask shapes and element counts. ``tests/test_triton_compile.py`` compiles every configuration it admits for
+mask shapes and element counts. ``tests/attention/test_triton_compile.py`` compiles every configuration it admits for
 each supported architecture, on CPU. A compile or launch failure that still happens is re-raised with the
 configuration and a pointer to the tiled backend, never replaced silently.
 
@@ -66,7 +66,7 @@ except ImportError:  # the kernels are then never launched: triton_unsupported_r
         return value
 
 
-# Oldest Triton whose compiled kernels are checked (tests/test_triton_compile.py run with it).
+# Oldest Triton whose compiled kernels are checked (tests/attention/test_triton_compile.py run with it).
 MIN_TRITON_VERSION = (3, 2)
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Largest opt-in shared memory per block (bytes) of the compute capabilities the kernels are compiled and
@@ -118,7 +118,7 @@ def _config(fwd, dkdv, dq):
 # Each kernel holds its own block as the left operand of its matmuls and loops over blocks of the other
 # side: the larger that loop's block, the more registers its right operands take in every warp. Chosen as
 # the largest tiles whose compiled kernels spill no registers (or a few dozen bytes) and fit the shared
-# memory, as tests/test_triton_compile.py prints them; between those, the fewest instructions per score in
+# memory, as tests/attention/test_triton_compile.py prints them; between those, the fewest instructions per score in
 # benchmarks/gpu_static_cost.py. GPU timings may refine them. Larger heads run tiled.
 CONFIGS = {
     (8, "half"): {

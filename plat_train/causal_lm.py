@@ -28,10 +28,11 @@ from transformers import (
 
 from .arguments import ModelArguments, PlatTrainingArguments, parse_args
 from .model_cards import PTB_DATASET
-from .model_setup import build_config, load_model
+from .model_setup import build_config, load_model, saved_config
 from .runs import (
     check_launch,
     detect_last_checkpoint,
+    evaluation_splits,
     explain_offline_errors,
     record_metrics,
     release_process_group,
@@ -77,7 +78,7 @@ class TextModelArguments(ModelArguments):
 
 
 @dataclass
-class DataArguments:
+class TextDataArguments:
     """What to train and evaluate on, and how to cut it into blocks and score it."""
 
     dataset_name: str | None = field(default=None, metadata={"help": "A Hub dataset (needs the network)."})
@@ -143,9 +144,9 @@ def build_tokenizer(model_args, raw_splits, last_checkpoint, model_max_length=No
     )
 
 
-def build_model(model_args, config, tokenizer):
-    """The saved model (converted if a stock GPT-2; embeddings grown if the tokenizer is larger), or a new one
-    sized to the tokenizer."""
+def build_model(model_args, config, saved, tokenizer):
+    """The saved model (``saved`` is its config; converted if a stock GPT-2 or Llama-family model; embeddings grown
+    if the tokenizer is larger), or a new one sized to the tokenizer."""
     if model_args.model_name_or_path is None:
         config.vocab_size = len(tokenizer)
         for name in ("eos_token_id", "bos_token_id", "pad_token_id"):
@@ -155,7 +156,7 @@ def build_model(model_args, config, tokenizer):
             # Open-ended generation pads with EOS; saying so keeps generate() quiet.
             config.pad_token_id = config.eos_token_id
     with explain_offline_errors(f"model {model_args.model_name_or_path!r}", "a local model folder"):
-        model = load_model(model_args, config, "text-generation")
+        model = load_model(model_args, config, "text-generation", saved)
     if len(tokenizer) > model.get_input_embeddings().weight.shape[0]:
         model.resize_token_embeddings(len(tokenizer))
     return model
@@ -208,6 +209,18 @@ def evaluate_split(trainer, prefix, blocks, tokenized, train_stream, data_args, 
     return metrics
 
 
+def evaluate_splits(trainer, eval_blocks, eval_splits, tokenized, data_args, block_size):
+    """Score every evaluation split (``eval_blocks`` by metric prefix) and record its metrics."""
+    logger.info("*** Evaluate ***")
+    # The unigram floor needs the whole training stream, which a streamed split does not give cheaply.
+    train_stream = None if data_args.streaming or "train" not in tokenized else token_stream(tokenized["train"])
+    for prefix, blocks in eval_blocks.items():
+        metrics = evaluate_split(
+            trainer, prefix, blocks, tokenized[eval_splits[prefix]], train_stream, data_args, block_size
+        )
+        record_metrics(trainer, prefix, metrics)
+
+
 def model_card_fields(model_args, data_args):
     """What Trainer's model card should say about the starting point and the data."""
     card = {"finetuned_from": model_args.model_name_or_path, "tasks": "text-generation"}
@@ -220,38 +233,33 @@ def model_card_fields(model_args, data_args):
 
 
 def main(args=None):
-    parser = HfArgumentParser((TextModelArguments, DataArguments, PlatTrainingArguments))
+    parser = HfArgumentParser((TextModelArguments, TextDataArguments, PlatTrainingArguments))
     model_args, data_args, training_args = parse_args(parser, args)
     check_launch(training_args)
     if model_args.model_type is None and not (model_args.config_name or model_args.model_name_or_path):
         raise ValueError("Choose a model: --config_name (a preset or path), --model_name_or_path or --model_type plat")
     setup_logging(training_args)
-    logger.warning(
-        f"Process rank: {training_args.process_index}, device: {training_args.device}, n_gpu: {training_args.n_gpu}, "
-        f"distributed training: {training_args.parallel_mode.value == 'distributed'}, "
-        f"16-bits training: {training_args.fp16 or training_args.bf16}"
-    )
-    logger.info(f"Training/evaluation parameters {training_args}")
     last_checkpoint = detect_last_checkpoint(training_args)
     set_seed(training_args.seed)
 
+    # Data
     raw_splits = load_raw_splits(
         data_args.dataset_name, data_args.dataset_config_name, data_args.train_file, data_args.validation_file,
         data_args.test_file, data_args.validation_split_percentage, data_args.streaming, model_args.cache_dir,
         model_args.token, data_args.streaming_validation_texts,
     )
-    if training_args.do_train and "train" not in raw_splits:
-        raise ValueError("--do_train needs a training split: give --train_file or a dataset with a 'train' split")
-    if training_args.do_eval and "validation" not in raw_splits:
-        raise ValueError("--do_eval needs a validation split: give --validation_file or a dataset with one")
-    if training_args.do_predict and "test" not in raw_splits:
-        raise ValueError("--do_predict needs a test split: give --test_file or a dataset with one")
+    eval_splits = evaluation_splits(
+        training_args, raw_splits, "give --train_file / --validation_file / --test_file, or a dataset with it"
+    )
 
-    config = build_config(model_args, "text-generation")
+    # Model and tokenizer
+    saved = saved_config(model_args)
+    config = build_config(model_args, "text-generation", saved)
     block_size = resolve_block_size(data_args.block_size, config)
     tokenizer = build_tokenizer(model_args, raw_splits, last_checkpoint, block_size)
-    model = build_model(model_args, config, tokenizer)
+    model = build_model(model_args, config, saved, tokenizer)
 
+    # Datasets
     with training_args.main_process_first(desc="dataset tokenisation"):
         tokenized = tokenize_splits(
             raw_splits, tokenizer, data_args.preprocessing_num_workers, data_args.overwrite_cache
@@ -261,14 +269,8 @@ def main(args=None):
         train_blocks = document_pieces(tokenized["train"], block_size, data_args.max_train_samples)
     elif training_args.do_train:
         train_blocks = pack_split(tokenized["train"], block_size, data_args.max_train_samples, "train")
-    # --do_eval scores the validation split and, when there is one, the test split; --do_predict the test split.
-    eval_splits = {"eval": "validation", "test": "test"} if training_args.do_eval else {}
-    if training_args.do_predict:
-        eval_splits["test"] = "test"
-    eval_blocks = {
-        prefix: pack_split(tokenized[split], block_size, data_args.max_eval_samples, split)
-        for prefix, split in eval_splits.items() if split in tokenized
-    }
+    eval_blocks = {prefix: pack_split(tokenized[split], block_size, data_args.max_eval_samples, split)
+                   for prefix, split in eval_splits.items()}
 
     trainer = PlatTrainer(
         model=model,
@@ -283,25 +285,17 @@ def main(args=None):
         preprocess_logits_for_metrics=preprocess_logits_for_metrics if eval_blocks else None,
     )
 
+    # Train, evaluate, describe
     if training_args.do_train:
-        train_result = trainer.train(resume_from_checkpoint=last_checkpoint)
+        result = trainer.train(resume_from_checkpoint=last_checkpoint)
         trainer.save_model()  # the tokenizer too
-        metrics = train_result.metrics
+        metrics = result.metrics
         if hasattr(train_blocks, "__len__"):
             metrics["train_samples"] = len(train_blocks)
         record_metrics(trainer, "train", metrics)
         trainer.save_state()
-
     if eval_blocks:
-        logger.info("*** Evaluate ***")
-        # The unigram floor needs the whole training stream, which a streamed split does not give cheaply.
-        train_stream = None if data_args.streaming or "train" not in tokenized else token_stream(tokenized["train"])
-        for prefix, blocks in eval_blocks.items():
-            metrics = evaluate_split(
-                trainer, prefix, blocks, tokenized[eval_splits[prefix]], train_stream, data_args, block_size
-            )
-            record_metrics(trainer, prefix, metrics)
-
+        evaluate_splits(trainer, eval_blocks, eval_splits, tokenized, data_args, block_size)
     card = model_card_fields(model_args, data_args)
     if training_args.push_to_hub:
         trainer.push_to_hub(**card)

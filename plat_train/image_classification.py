@@ -21,7 +21,7 @@ import os
 from dataclasses import dataclass, field
 
 import torch
-from transformers import AutoConfig, AutoImageProcessor, HfArgumentParser, ViTImageProcessorPil, set_seed
+from transformers import AutoImageProcessor, HfArgumentParser, ViTImageProcessorPil, set_seed
 
 from modeling_plat import PlatImageProcessor
 from modeling_plat.convert import convertible
@@ -30,10 +30,11 @@ from . import vision_data
 from .arguments import ModelArguments, PlatTrainingArguments, parse_args
 from .ema import ModelEmaCallback
 from .model_cards import FASHION_MNIST_DATASET
-from .model_setup import build_config, load_model
+from .model_setup import build_config, load_model, saved_config
 from .runs import (
     check_launch,
     detect_last_checkpoint,
+    evaluation_splits,
     explain_offline_errors,
     record_metrics,
     release_process_group,
@@ -58,7 +59,7 @@ class ImageModelArguments(ModelArguments):
 
 
 @dataclass
-class DataArguments:
+class ImageDataArguments:
     dataset_name: str | None = field(default=None, metadata={"help": "A Hub dataset (needs network)."})
     dataset_config_name: str | None = field(default=None, metadata={"help": "Configuration of --dataset_name."})
     train_dir: str | None = field(default=None, metadata={"help": "Training images, one subfolder per class."})
@@ -121,15 +122,13 @@ def load_raw_datasets(data_args, model_args, seed):
     return vision_data.with_validation_split(raw, data_args.train_val_split, seed)
 
 
-def build_model(model_args, labels):
-    """The classifier to train, its labels set: a saved p-LaT or stock ViT / DeiT to fine-tune (converted), or a
-    new one from a preset or config (default: the Fashion-MNIST preset)."""
+def build_model(model_args, saved, labels):
+    """The classifier to train, its labels set: a saved p-LaT or stock ViT / DeiT to fine-tune (``saved`` is its
+    config; converted), or a new one from a preset or config (default: the Fashion-MNIST preset)."""
     id2label = dict(enumerate(labels))
     fields = {"num_labels": len(labels), "id2label": id2label, "label2id": {name: i for i, name in id2label.items()}}
     load_kwargs = {}
-    if model_args.model_name_or_path is not None:
-        with explain_offline_errors(f"model {model_args.model_name_or_path!r}", "a local model folder"):
-            saved = AutoConfig.from_pretrained(model_args.model_name_or_path, **model_args.hub_kwargs())
+    if saved is not None:
         has_classifier = any(name.endswith("ForImageClassification") for name in saved.architectures or ())
         if has_classifier and saved.num_labels != len(labels) and not model_args.ignore_mismatched_sizes:
             raise ValueError(
@@ -140,9 +139,9 @@ def build_model(model_args, labels):
         if convertible(saved):  # a stock model: transformers resizes its head before the conversion
             load_kwargs.update(fields)
     default = None if model_args.model_name_or_path else DEFAULT_PRESET
-    config = build_config(model_args, "image-classification", default_config_name=default, **fields)
+    config = build_config(model_args, "image-classification", saved, default_config_name=default, **fields)
     with explain_offline_errors(f"model {model_args.model_name_or_path!r}", "a local model folder"):
-        return load_model(model_args, config, "image-classification", **load_kwargs)
+        return load_model(model_args, config, "image-classification", saved, **load_kwargs)
 
 
 def build_image_processor(model_args, aug_args, config, is_fashion_mnist):
@@ -187,7 +186,7 @@ def image_mode(num_channels):
     return "L" if num_channels == 1 else "RGB"
 
 
-def attach_transforms(splits, image_processor, aug_args, config):
+def attach_transforms(train_set, eval_sets, image_processor, aug_args, config):
     mode = image_mode(config.num_channels)
     train_transform = TrainTransform(
         config.image_size, image_processor.image_mean, image_processor.image_std,
@@ -205,8 +204,10 @@ def attach_transforms(splits, image_processor, aug_args, config):
         pixels = image_processor(images, return_tensors="pt").pixel_values
         return {"pixel_values": list(pixels), "labels": batch["label"]}
 
-    for name, split in splits.items():
-        split.set_transform(train_batch if name == "train" else eval_batch)
+    if train_set is not None:
+        train_set.set_transform(train_batch)
+    for split in eval_sets.values():
+        split.set_transform(eval_batch)
 
 
 def collate(examples):
@@ -216,49 +217,63 @@ def collate(examples):
     }
 
 
+def evaluate_splits(trainer, eval_sets, prefix=""):
+    """Score every evaluation split (``eval_sets`` by metric prefix) and record its metrics; ``prefix`` tells the
+    EMA weights' scores apart."""
+    for split_prefix, dataset in eval_sets.items():
+        metrics = trainer.evaluate(dataset, metric_key_prefix=f"{prefix}{split_prefix}")
+        record_metrics(trainer, f"{prefix}{split_prefix}", metrics)
+
+
+def model_card_fields(model_args, data_args):
+    """What Trainer's model card should say about the starting point and the data."""
+    card = {"finetuned_from": model_args.model_name_or_path, "tasks": "image-classification",
+            "tags": ["image-classification", "plat"]}
+    if data_args.dataset_name is not None:
+        card["dataset"] = data_args.dataset_name
+    elif data_args.train_dir is None:
+        card["dataset"] = FASHION_MNIST_DATASET
+    return card
+
+
 def main(args=None):
-    parser = HfArgumentParser((ImageModelArguments, DataArguments, AugmentArguments, PlatTrainingArguments))
+    parser = HfArgumentParser((ImageModelArguments, ImageDataArguments, AugmentArguments, PlatTrainingArguments))
     model_args, data_args, aug_args, training_args = parse_args(parser, args)
     check_launch(training_args)
     # The transforms read the raw "image" column, which Trainer would drop as unused by the model.
     training_args.remove_unused_columns = False
     setup_logging(training_args)
-    logger.warning(
-        f"Process rank {training_args.process_index}, device {training_args.device}, "
-        f"n_gpu {training_args.n_gpu}, distributed {training_args.parallel_mode.value}, "
-        f"bf16 {training_args.bf16}, fp16 {training_args.fp16}"
-    )
     last_checkpoint = detect_last_checkpoint(training_args)
     set_seed(training_args.seed)
 
+    # Data
     with training_args.main_process_first(desc="loading data"):
         raw = load_raw_datasets(data_args, model_args, training_args.seed)
+    eval_splits = evaluation_splits(
+        training_args, raw, "Fashion-MNIST and Hub datasets with a test split have one; folders have none"
+    )
+
+    # Model and image processor
+    saved = saved_config(model_args)
     labels = vision_data.label_names(raw["train"])
-    model = build_model(model_args, labels)
+    model = build_model(model_args, saved, labels)
     is_fashion_mnist = data_args.dataset_name is None and data_args.train_dir is None
     image_processor = build_image_processor(model_args, aug_args, model.config, is_fashion_mnist)
 
-    splits = {}
+    # Datasets
+    train_set = None
     if training_args.do_train:
-        splits["train"] = raw["train"].shuffle(seed=training_args.seed)
+        train_set = raw["train"].shuffle(seed=training_args.seed)
         if data_args.max_train_samples is not None:
-            splits["train"] = splits["train"].select(range(min(data_args.max_train_samples, len(splits["train"]))))
-    # --do_eval scores the validation split and, when there is one, the test split; --do_predict the test split.
-    eval_names = [name for name in ("validation", "test")
-                  if (training_args.do_eval or (training_args.do_predict and name == "test")) and name in raw]
-    if training_args.do_predict and "test" not in raw:
-        raise ValueError("--do_predict needs a test split: the data have none (Fashion-MNIST and Hub datasets with "
-                         "one do)")
-    if eval_names:
-        for name in eval_names:
-            if name in raw:
-                split = raw[name]
-                if data_args.max_eval_samples is not None:
-                    split = split.shuffle(seed=training_args.seed).select(
-                        range(min(data_args.max_eval_samples, len(split)))
-                    )
-                splits[name] = split
-    attach_transforms(splits, image_processor, aug_args, model.config)
+            train_set = train_set.select(range(min(data_args.max_train_samples, len(train_set))))
+    eval_sets = {}
+    for prefix, name in eval_splits.items():
+        eval_sets[prefix] = raw[name]
+        if data_args.max_eval_samples is not None:
+            eval_sets[prefix] = raw[name].shuffle(seed=training_args.seed).select(
+                range(min(data_args.max_eval_samples, len(raw[name])))
+            )
+    attach_transforms(train_set, eval_sets, image_processor, aug_args, model.config)
 
     mixup = None
     if aug_args.mixup_alpha > 0 or aug_args.cutmix_alpha > 0:
@@ -271,8 +286,8 @@ def main(args=None):
     trainer = ImageClassificationTrainer(
         model=model,
         args=training_args,
-        train_dataset=splits.get("train"),
-        eval_dataset=splits.get("validation"),
+        train_dataset=train_set,
+        eval_dataset=eval_sets.get("eval"),
         data_collator=collate,
         processing_class=image_processor,
         compute_metrics=accuracy_metrics,
@@ -281,39 +296,26 @@ def main(args=None):
         mixup=mixup,
     )
 
+    # Train, evaluate, describe
     if training_args.do_train:
         result = trainer.train(resume_from_checkpoint=last_checkpoint)
         trainer.save_model()
         record_metrics(trainer, "train", result.metrics)
         trainer.save_state()
-
-    if eval_names:
-        evaluate_splits(trainer, splits, prefix="")
+    if eval_sets:
+        evaluate_splits(trainer, eval_sets)
         if ema is not None:
             ema.swap_into(trainer.model)
-            evaluate_splits(trainer, splits, prefix="ema_")
+            evaluate_splits(trainer, eval_sets, prefix="ema_")
             if training_args.do_train:
                 trainer.save_model(os.path.join(training_args.output_dir, "ema"))
             ema.swap_into(trainer.model)
-
-    card = {"finetuned_from": model_args.model_name_or_path, "tasks": "image-classification",
-            "tags": ["image-classification", "plat"]}
-    if data_args.dataset_name is not None:
-        card["dataset"] = data_args.dataset_name
-    elif data_args.train_dir is None:
-        card["dataset"] = FASHION_MNIST_DATASET
+    card = model_card_fields(model_args, data_args)
     if training_args.push_to_hub:
         trainer.push_to_hub(**card)
-    elif training_args.do_train:
+    else:
         trainer.create_model_card(**card)
     release_process_group()
-
-
-def evaluate_splits(trainer, splits, prefix):
-    for name in ("validation", "test"):
-        if name in splits:
-            metrics = trainer.evaluate(splits[name], metric_key_prefix=f"{prefix}{'eval' if name == 'validation' else name}")
-            record_metrics(trainer, f"{prefix}{name}", metrics)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ model's, or a stock transformers GPT-2 / Llama / Qwen2 / Mistral / ViT / DeiT ch
 load.
 """
 
+import copy
 import json
 import logging
 
@@ -20,6 +21,7 @@ from modeling_plat import PlatConfig, PlatConfigBase, PlatVisionConfig
 from modeling_plat.convert import convert_to_plat, convertible, plat_config_for
 
 from .presets import resolve_config_name
+from .runs import explain_offline_errors
 
 logger = logging.getLogger(__name__)
 
@@ -58,11 +60,20 @@ def is_plat(config):
     return isinstance(config, PlatConfigBase)
 
 
-def build_config(model_args, task, default_config_name=None, **fields):
+def saved_config(model_args):
+    """The config saved with ``--model_name_or_path`` (None without one): a job loads it once and passes it to
+    ``build_config`` and ``load_model``."""
+    if model_args.model_name_or_path is None:
+        return None
+    with explain_offline_errors(f"model {model_args.model_name_or_path!r}", "a local model folder"):
+        return AutoConfig.from_pretrained(model_args.model_name_or_path, **model_args.hub_kwargs())
+
+
+def build_config(model_args, task, saved=None, default_config_name=None, **fields):
     """The p-LaT config a job trains, with ``--config_overrides`` and ``fields`` (e.g. num_labels) applied.
 
-    Source, first match wins: ``--config_name`` (a preset or path), ``--model_name_or_path`` (a saved
-    p-LaT model's config, or the p-LaT equivalent of a stock GPT-2 / Llama / Qwen2 / Mistral / ViT one),
+    Source, first match wins: ``--config_name`` (a preset or path), ``--model_name_or_path`` (``saved``, its
+    config: a p-LaT model's, or the p-LaT equivalent of a stock GPT-2 / Llama / Qwen2 / Mistral / ViT one),
     ``default_config_name``, or the task's config class with its defaults. Unknown override fields are an error.
     """
     config_class = TASKS[task][1]
@@ -74,8 +85,10 @@ def build_config(model_args, task, default_config_name=None, **fields):
         _refuse_unknown(overrides, config_class())
         config = config_class(**overrides)
     else:
-        path = resolve_config_name(source) if source != model_args.model_name_or_path else source
-        config = AutoConfig.from_pretrained(path, **model_args.hub_kwargs())
+        if source != model_args.model_name_or_path:
+            config = AutoConfig.from_pretrained(resolve_config_name(source), **model_args.hub_kwargs())
+        else:
+            config = copy.deepcopy(saved or saved_config(model_args))
         if convertible(config):
             config = plat_config_for(config)
         if not is_plat(config):
@@ -101,8 +114,9 @@ def _refuse_unknown(overrides, config):
         raise ValueError(f"--config_overrides names fields that {type(config).__name__} does not have: {unknown}")
 
 
-def load_model(model_args, config, task, **load_kwargs):
-    """The model to train: ``--model_name_or_path``'s weights (converted if stock) in ``config``, or a new model.
+def load_model(model_args, config, task, saved=None, **load_kwargs):
+    """The model to train: ``--model_name_or_path``'s weights (converted if stock; ``saved`` is its config) in
+    ``config``, or a new model.
 
     ``load_kwargs`` go to ``from_pretrained`` (e.g. ``ignore_mismatched_sizes``; for a stock checkpoint also
     ``num_labels`` / ``id2label``, so that transformers resizes its head before the conversion).
@@ -116,8 +130,7 @@ def load_model(model_args, config, task, **load_kwargs):
     hub_kwargs = model_args.hub_kwargs()
     if model_args.dtype is not None:
         hub_kwargs["dtype"] = model_args.dtype
-    source_config = AutoConfig.from_pretrained(model_args.model_name_or_path, **model_args.hub_kwargs())
-    if not convertible(source_config):
+    if not convertible(saved or saved_config(model_args)):
         return auto_class.from_pretrained(model_args.model_name_or_path, config=config, **hub_kwargs, **load_kwargs)
     source = auto_class.from_pretrained(model_args.model_name_or_path, **hub_kwargs, **load_kwargs)
     logger.info(f"Converting {type(source).__name__} from {model_args.model_name_or_path} to p-LaT "

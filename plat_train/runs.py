@@ -64,6 +64,27 @@ def setup_logging(training_args):
         datasets.disable_progress_bars()
         huggingface_hub.utils.disable_progress_bars()
         transformers.utils.logging.disable_progress_bar()
+    logger.warning(
+        f"Process rank {training_args.process_index}, device {training_args.device}, n_gpu {training_args.n_gpu}, "
+        f"distributed {training_args.parallel_mode.value}, bf16 {training_args.bf16}, fp16 {training_args.fp16}"
+    )
+    logger.info(f"Training/evaluation parameters {training_args}")
+
+
+# Metric (and results file) prefix of each evaluation split, as in the transformers examples.
+EVAL_PREFIXES = {"validation": "eval", "test": "test"}
+
+
+def evaluation_splits(training_args, available, how_to_add):
+    """The splits a job scores, by metric prefix: --do_eval the validation split and, when there is one, the test
+    split; --do_predict the test split. A split that --do_train / --do_eval / --do_predict needs and the data
+    (``available`` split names) lack is refused before any work; ``how_to_add`` says how to give one."""
+    needs = {"train": training_args.do_train, "validation": training_args.do_eval, "test": training_args.do_predict}
+    for name, flag in zip(needs, ("--do_train", "--do_eval", "--do_predict")):
+        if needs[name] and name not in available:
+            raise ValueError(f"{flag} needs a {name} split, which the data lack: {how_to_add}")
+    scored = ("validation", "test") if training_args.do_eval else ("test",) if training_args.do_predict else ()
+    return {EVAL_PREFIXES[name]: name for name in scored if name in available}
 
 
 class HubUnreachableError(ConnectionError):

@@ -6,7 +6,6 @@ import json
 import random
 from pathlib import Path
 
-import torch
 from torch.nn import functional as F
 from transformers import GenerationMixin, Trainer
 from transformers.modelcard import extract_hyperparameters_from_trainer

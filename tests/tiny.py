@@ -1,5 +1,6 @@
-"""Tiny p-LaT models built from configs, shared by the test suites."""
+"""Tiny p-LaT models built from configs and tiny job arguments, shared by the test suites."""
 
+import random
 import socket
 import struct
 import subprocess
@@ -12,6 +13,21 @@ from modeling_plat import PlatConfig, PlatForCausalLM, PlatForImageClassificatio
 
 ROOT = Path(__file__).resolve().parents[1]
 ACCELERATE_CONFIGS = ROOT / "configuration/accelerate"
+
+# run_clm.py on a tiny fresh model and a few lines of text (write_lines).
+BLOCK = 16
+TINY_MODEL = ["--model_type", "plat", "--config_overrides",
+              f"hidden_size=32,num_hidden_layers=2,num_attention_heads=4,max_position_embeddings={BLOCK}"]
+FAST = ["--per_device_train_batch_size", "4", "--per_device_eval_batch_size", "4", "--report_to", "none",
+        "--logging_steps", "1", "--dataloader_pin_memory", "false"]
+WORDS = "the a cat dog sat ran on under mat tree big small red blue quick slow and then it was".split()
+
+
+def write_lines(path, num_lines, seed=0):
+    rng = random.Random(seed)
+    lines = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 12))) for _ in range(num_lines)]
+    path.write_text("\n".join(lines) + "\n")
+    return path
 
 
 # A Llama-shaped decoder: rotary positions (a non-default theta), RMSNorm, SwiGLU, 2 key/value heads for 4 query

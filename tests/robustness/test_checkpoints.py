@@ -67,7 +67,7 @@ def test_run_killed_mid_training_resumes_to_the_same_result(tmp_path):
     import time
     from pathlib import Path
 
-    from test_run_clm import FAST, TINY_MODEL, write_lines
+    from tiny import FAST, TINY_MODEL, write_lines
 
     train, validation = write_lines(tmp_path / "train.txt", 200), write_lines(tmp_path / "valid.txt", 20, seed=1)
     script = Path(__file__).resolve().parents[2] / "run_clm.py"

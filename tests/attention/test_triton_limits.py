@@ -2,7 +2,7 @@
 
 CUDA inputs are FakeTensors (shape, dtype, strides, device, no memory); the GPU's compute capability and the
 Triton version are patched. ``auto`` picks ``triton`` exactly where ``triton_unsupported_reason`` finds no
-limit broken, and then only with a launch configuration that tests/test_triton_compile.py compiles for that
+limit broken, and then only with a launch configuration that tests/attention/test_triton_compile.py compiles for that
 GPU generation and dtype; an explicit ``backend="triton"`` raises the reason instead.
 """
 

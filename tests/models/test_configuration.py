@@ -15,12 +15,12 @@ from transformers import AutoConfig, HfArgumentParser
 import modeling_plat
 from plat_train import presets
 from plat_train.arguments import PlatTrainingArguments, parse_args
-from plat_train.causal_lm import DataArguments as TextDataArguments
+from plat_train.causal_lm import TextDataArguments
 from plat_train.causal_lm import TextModelArguments
 from plat_train.image_classification import AugmentArguments, ImageModelArguments
-from plat_train.image_classification import DataArguments as ImageDataArguments
+from plat_train.image_classification import ImageDataArguments
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONFIGURATION = ROOT / "configuration"
 FILES = sorted(path.relative_to(CONFIGURATION) for path in CONFIGURATION.rglob("*.*") if path.name != "README.md")
 RECIPES = sorted((CONFIGURATION / "recipes").glob("*.yaml"))

@@ -12,7 +12,7 @@ import pytest
 
 from modeling_plat import plap_attention_triton as triton_module
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_static_cost.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_static_cost.py"
 pytestmark = pytest.mark.skipif(triton_module.triton is None, reason="triton is not installed")
 
 # Instructions per score of each kernel's main loop as measured (sm_90, bfloat16, d = 64, paper mix), with a

@@ -9,7 +9,7 @@ NVIDIA backend and the ``ptxas`` shipped in its wheel. No GPU or driver is invol
 The interpreter (TRITON_INTERPRET=1, set by tests/conftest.py on CPU) replaces the kernels by interpreted
 functions, so compilation runs in child processes without it: ``run_cases`` starts
 
-    python tests/triton_aot.py cases.json
+    python benchmarks/triton_aot.py cases.json
 
 each of which prints one JSON line per kernel: shared memory bytes, registers and spills (from ``ptxas -v``),
 compile seconds, or the error.
@@ -132,7 +132,6 @@ def run_cases(cases, cache_dir, processes=2, timeout=1200):
     env.update(
         TRITON_CACHE_DIR=str(cache_dir),
         TRITON_DUMP_PTXAS_LOG="1",
-        PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]),
     )
     children = []
     for index in range(processes):

@@ -14,7 +14,7 @@ import transformers.trainer
 from transformers.dynamic_module_utils import get_relative_import_files
 from tiny import run_without_plugin
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # The remote code transformers itself would copy for the model class: its file and every relative import in it.
 MODELING_FILES = {Path(f).name for f in [ROOT / "modeling_plat" / "modeling_plat.py",
                                          *get_relative_import_files(ROOT / "modeling_plat" / "modeling_plat.py")]}
@@ -75,7 +75,7 @@ def test_image_script_pushes_weights_code_processor_and_card(hub, tmp_path):
     assert {repo_id for repo_id, _ in hub.uploads} == {"someone/plat-shapes"}
     files = hub.uploads[-1][1]  # Trainer pushes on save_model too; the last upload is the final state
     expected = MODELING_FILES | RESULT_FILES | {"config.json", "model.safetensors", "preprocessor_config.json",
-                                                "README.md", "validation_results.json"}
+                                                "README.md", "eval_results.json"}
     assert files == expected
     metadata, text = card_of(output_dir)
     assert metadata["pipeline_tag"] == "image-classification" and "plat" in metadata["tags"]
@@ -83,7 +83,7 @@ def test_image_script_pushes_weights_code_processor_and_card(hub, tmp_path):
 
 
 def test_clm_script_pushes_weights_code_tokenizer_and_card(hub, tmp_path):
-    from test_run_clm import FAST, TINY_MODEL, write_lines
+    from tiny import FAST, TINY_MODEL, write_lines
 
     train, validation = write_lines(tmp_path / "train.txt", 100), write_lines(tmp_path / "valid.txt", 20, seed=1)
     output_dir = tmp_path / "out"

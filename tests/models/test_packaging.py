@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # Everything the modeling package may import besides the standard library and itself.
 MODELING_RUNTIME = {"torch", "transformers", "safetensors", "numpy", "triton"}
 # The training side and the dependencies only it brings (pyyaml and tokenizers come with transformers itself).

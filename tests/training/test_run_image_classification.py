@@ -36,7 +36,7 @@ from plat_train.presets import resolve_config_name
 from plat_train.trainers import ImageClassificationTrainer
 from plat_train.vision_augment import RAND_AUGMENT_OPS, MixupCutmix, TrainTransform, random_erasing
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "run_image_classification.py"
 FASHION_MNIST_PRESENT = Path(vision_data.FASHION_MNIST_DIR, "train-images-idx3-ubyte.gz").is_file()
 
@@ -166,6 +166,8 @@ def test_image_folders_full_recipe_then_pipeline(folders, tmp_path):
     for key in ("eval_loss", "eval_top1_accuracy", "eval_top5_accuracy", "ema_eval_top1_accuracy", "train_loss"):
         assert key in metrics
     assert metrics["eval_top5_accuracy"] == 1.0  # 3 classes: the top 5 hold them all
+    # The text job's file names: eval_ for the validation split.
+    assert (output_dir / "eval_results.json").is_file() and (output_dir / "ema_eval_results.json").is_file()
     classifier = pipeline("image-classification", model=str(output_dir))
     predictions = classifier(draw("square", (40, 30), np.random.default_rng(5)))
     assert {p["label"] for p in predictions} == set(CLASSES)
@@ -208,6 +210,7 @@ def test_do_predict_scores_the_test_split_only(tmp_path):
          "--per_device_eval_batch_size", 32, "--report_to", "none", "--disable_tqdm", "true"])
     metrics = results(output_dir)
     assert 0 <= metrics["test_top1_accuracy"] <= 1 and not any(name.startswith("eval_") for name in metrics)
+    assert "| test | Top-1 accuracy |" in (output_dir / "README.md").read_text()  # a card, though nothing trained
 
 
 def test_metrics_reach_tensorboard(folders, tmp_path):

@@ -5,7 +5,6 @@ import itertools
 import json
 import math
 import os
-import random
 import shutil
 import subprocess
 import sys
@@ -16,7 +15,7 @@ import huggingface_hub
 import pytest
 import torch
 import yaml
-from tiny import lm, tensorboard_scalars, two_processes
+from tiny import BLOCK, FAST, ROOT, TINY_MODEL, WORDS, lm, tensorboard_scalars, two_processes, write_lines
 from torch.nn import functional as F
 from transformers import (
     AutoModelForCausalLM,
@@ -50,23 +49,7 @@ from plat_train.text_data import (
 from plat_train.text_metrics import sliding_window_metrics, window_plan
 from plat_train.trainers import PlatTrainer
 
-ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "run_clm.py"
-
-BLOCK = 16
-TINY_MODEL = ["--model_type", "plat", "--config_overrides",
-              f"hidden_size=32,num_hidden_layers=2,num_attention_heads=4,max_position_embeddings={BLOCK}"]
-FAST = ["--per_device_train_batch_size", "4", "--per_device_eval_batch_size", "4", "--report_to", "none",
-        "--logging_steps", "1", "--dataloader_pin_memory", "false"]
-WORDS = "the a cat dog sat ran on under mat tree big small red blue quick slow and then it was".split()
-
-
-def write_lines(path, num_lines, seed=0):
-    rng = random.Random(seed)
-    lines = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 12))) for _ in range(num_lines)]
-    path.write_text("\n".join(lines) + "\n")
-    return path
-
 
 @pytest.fixture(scope="module")
 def text_files(tmp_path_factory):
