@@ -11,6 +11,7 @@ from transformers import PretrainedConfig
 from transformers.activations import ACT2FN
 from transformers.utils import logging
 
+from .cache_name import CACHE_NAME
 from .plap_attention import BACKENDS, FORMULATIONS
 
 logger = logging.get_logger(__name__)
@@ -208,7 +209,7 @@ class PlatConfig(PlatConfigBase):
     """
 
     model_type = "plat"
-    keys_to_ignore_at_inference = ["past_key_values"]
+    keys_to_ignore_at_inference = [CACHE_NAME]
     family_sizes = ("vocab_size", "max_position_embeddings")
 
     def __init__(self, vocab_size=10000, max_position_embeddings=256, position_embedding_type="learned",

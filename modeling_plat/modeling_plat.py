@@ -25,6 +25,7 @@ from transformers.modeling_outputs import (
 )
 from transformers.utils.generic import can_return_tuple
 
+from .cache_name import CACHE_NAME, given_cache
 from .configuration_plat import PlatConfig, PlatConfigBase, PlatVisionConfig
 from .packing import packed_document_ids
 from .plap_attention import plap_attention
@@ -117,7 +118,7 @@ class PlatAttention(nn.Module):
         # Static per head: no tensor to read on the host (compiled graphs stay whole), none for model.half() to round.
         self.p_values = tuple(config.p_per_layer()[layer_idx])
 
-    def forward(self, hidden_states, attn_mask=None, past_key_values=None, output_attentions=False,
+    def forward(self, hidden_states, attn_mask=None, cache=None, output_attentions=False,
                 position_embeddings=None, document_ids=None):
         batch, length, _ = hidden_states.shape
         query = self.q_proj(hidden_states).view(batch, length, -1, self.head_dim).transpose(1, 2)  # (B, H, N, d)
@@ -125,8 +126,8 @@ class PlatAttention(nn.Module):
         value = self.v_proj(hidden_states).view(batch, length, -1, self.head_dim).transpose(1, 2)  # (B, H_kv, N, d)
         if position_embeddings is not None:
             query, key = apply_rotary(query, *position_embeddings), apply_rotary(key, *position_embeddings)
-        if past_key_values is not None:
-            key, value = past_key_values.update(key, value, self.layer_idx)  # (B, H_kv, T, d)
+        if cache is not None:
+            key, value = cache.update(key, value, self.layer_idx)  # (B, H_kv, T, d)
         repeats = self.num_heads // self.num_kv_heads
         key, value = repeat_kv(key, repeats), repeat_kv(value, repeats)  # (B, H, T, d)
         attn_output, weights = self.attend(query, key, value, attn_mask, document_ids, output_attentions)
@@ -186,10 +187,10 @@ class PlatLayer(GradientCheckpointingLayer):
         self.mlp = MLPS[config.mlp_type](config)
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
 
-    def forward(self, hidden_states, attn_mask=None, past_key_values=None, output_attentions=False,
+    def forward(self, hidden_states, attn_mask=None, cache=None, output_attentions=False,
                 position_embeddings=None, document_ids=None):
         attn_output, weights = self.attention(
-            self.attn_norm(hidden_states), attn_mask, past_key_values, output_attentions, position_embeddings,
+            self.attn_norm(hidden_states), attn_mask, cache, output_attentions, position_embeddings,
             document_ids,
         )
         hidden_states = hidden_states + self.dropout(attn_output)
@@ -197,14 +198,14 @@ class PlatLayer(GradientCheckpointingLayer):
         return hidden_states, weights
 
 
-def run_layers(layers, hidden_states, attn_mask, past_key_values, output_attentions, output_hidden_states,
+def run_layers(layers, hidden_states, attn_mask, cache, output_attentions, output_hidden_states,
                position_embeddings=None, document_ids=None):
     """The stack of blocks shared by both trunks; collects hidden states and weights when asked."""
     all_hidden_states = (hidden_states,) if output_hidden_states else None
     all_attentions = () if output_attentions else None
     for layer in layers:
         hidden_states, weights = layer(
-            hidden_states, attn_mask=attn_mask, past_key_values=past_key_values, output_attentions=output_attentions,
+            hidden_states, attn_mask=attn_mask, cache=cache, output_attentions=output_attentions,
             position_embeddings=position_embeddings, document_ids=document_ids,
         )
         if output_attentions:
@@ -222,7 +223,7 @@ class PlatPreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules = ["PlatLayer", "PlatVisionEmbeddings"]
-    _skip_keys_device_placement = ["past_key_values"]
+    _skip_keys_device_placement = [CACHE_NAME]
     # p-LaT attention is chosen by config.plap_backend, which is saved with the model; attn_implementation is
     # not, and a reloaded model must never fall back to softmax attention.
     _supports_sdpa = False
@@ -335,16 +336,16 @@ class PlatModel(PlatPreTrainedModel):
     def set_input_embeddings(self, value):
         self.embed_tokens = value
 
-    def _check_text_inputs(self, input_ids, inputs_embeds, attention_mask, past_key_values):
+    def _check_text_inputs(self, input_ids, inputs_embeds, attention_mask, cache):
         """Raise a ValueError naming the input for ids, embeddings, a mask or a cache the model cannot read."""
-        if past_key_values is not None and past_key_values.is_compileable:
+        if cache is not None and cache.is_compileable:
             # A static cache hands back its whole fixed length, empty slots included, and p-LaT's attention
             # aligns queries with the last cached keys.
             raise ValueError(
                 "p-LaT needs a DynamicCache: a static (fixed-size) cache such as generate(cache_implementation="
                 "'static') is not supported"
             )
-        past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
+        past_length = cache.get_seq_length() if cache is not None else 0
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of input_ids or inputs_embeds")
         if input_ids is not None:
@@ -373,11 +374,12 @@ class PlatModel(PlatPreTrainedModel):
         input_ids=None,
         attention_mask=None,
         position_ids=None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         inputs_embeds=None,
         use_cache=None,
         output_attentions=None,
         output_hidden_states=None,
+        past_key_values: Cache | None = None,
         **kwargs,
     ) -> BaseModelOutputWithPast:
         """
@@ -387,22 +389,25 @@ class PlatModel(PlatPreTrainedModel):
             gives the same logits as no padding. Positions that restart at 0 after a real token mark packed
             documents (transformers' `DataCollatorWithFlattening`), as do `cu_seq_lens_q` / `cu_seq_lens_k`
             among the keyword arguments: each document then attends only within itself, and no cache is kept.
+        cache (a `DynamicCache`; `past_key_values` before transformers 5.24, either name is read): the keys and
+            values of the tokens before these.
         """
         output_attentions = self.config.output_attentions if output_attentions is None else output_attentions
         output_hidden_states = (
             self.config.output_hidden_states if output_hidden_states is None else output_hidden_states
         )
         use_cache = self.config.use_cache if use_cache is None else use_cache
-        self._check_text_inputs(input_ids, inputs_embeds, attention_mask, past_key_values)
+        cache = given_cache(cache, past_key_values)
+        self._check_text_inputs(input_ids, inputs_embeds, attention_mask, cache)
         batch, length = input_ids.shape if input_ids is not None else inputs_embeds.shape[:2]
         documents = packed_document_ids(
             position_ids, attention_mask, kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k"), batch=batch,
-            length=length, cache_given=past_key_values is not None,
+            length=length, cache_given=cache is not None,
         )  # fmt: skip
         use_cache = use_cache and documents is None  # a cache of packed rows would attend across documents
-        if use_cache and past_key_values is None:
-            past_key_values = DynamicCache(config=self.config)
-        past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
+        if use_cache and cache is None:
+            cache = DynamicCache(config=self.config)
+        past_length = cache.get_seq_length() if cache is not None else 0
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
         length = inputs_embeds.shape[1]
@@ -428,7 +433,7 @@ class PlatModel(PlatPreTrainedModel):
         hidden_states = self.dropout(hidden_states)
         attn_mask = attention_mask[:, None, None, :] if attention_mask is not None else None  # (B, 1, 1, T)
         hidden_states, all_hidden_states, all_attentions = run_layers(
-            self.layers, hidden_states, attn_mask, past_key_values, output_attentions, output_hidden_states,
+            self.layers, hidden_states, attn_mask, cache, output_attentions, output_hidden_states,
             position_embeddings, documents,
         )
         hidden_states = self.norm(hidden_states)
@@ -436,9 +441,9 @@ class PlatModel(PlatPreTrainedModel):
             all_hidden_states = all_hidden_states[:-1] + (hidden_states,)
         return BaseModelOutputWithPast(
             last_hidden_state=hidden_states,
-            past_key_values=past_key_values if use_cache else None,
             hidden_states=all_hidden_states,
             attentions=all_attentions,
+            **{CACHE_NAME: cache if use_cache else None},
         )
 
 
@@ -457,13 +462,14 @@ class PlatForCausalLM(PlatPreTrainedModel, GenerationMixin):
         input_ids=None,
         attention_mask=None,
         position_ids=None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         inputs_embeds=None,
         labels=None,
         use_cache=None,
         output_attentions=None,
         output_hidden_states=None,
         logits_to_keep: int | torch.Tensor = 0,
+        past_key_values: Cache | None = None,
         **kwargs,
     ) -> CausalLMOutputWithPast:
         """
@@ -474,7 +480,7 @@ class PlatForCausalLM(PlatPreTrainedModel, GenerationMixin):
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=past_key_values,
+            cache=given_cache(cache, past_key_values),
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             output_attentions=output_attentions,
@@ -496,9 +502,9 @@ class PlatForCausalLM(PlatPreTrainedModel, GenerationMixin):
         return CausalLMOutputWithPast(
             loss=loss,
             logits=logits,
-            past_key_values=outputs.past_key_values,
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
+            **{CACHE_NAME: getattr(outputs, CACHE_NAME)},
         )
 
 

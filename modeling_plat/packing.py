@@ -40,7 +40,7 @@ def packed_document_ids(position_ids=None, attention_mask=None, cu_seq_lens_q=No
     if cu_seq_lens_q is not None:
         if cache_given:
             raise ValueError("Packed rows (cu_seq_lens_q) cannot use a KV cache: its later tokens would attend across "
-                             "documents; pass past_key_values=None")
+                             "documents; pass no cache")
         return _from_boundaries(cu_seq_lens_q, cu_seq_lens_k, batch, length)
     if position_ids is None or length == 1:
         return None
@@ -56,6 +56,6 @@ def packed_document_ids(position_ids=None, attention_mask=None, cu_seq_lens_q=No
     if cache_given:
         raise ValueError(
             "position_ids restart at 0 inside a row (packed documents), which cannot use a KV cache: its later "
-            "tokens would attend across documents; pass past_key_values=None"
+            "tokens would attend across documents; pass no cache"
         )
     return torch.cat([restarts.new_zeros(batch, 1), restarts], 1).cumsum(-1)  # (B, N)

@@ -5,6 +5,7 @@ import json
 import logging
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from transformers import (
@@ -14,6 +15,8 @@ from transformers import (
     AutoModelForImageClassification,
     GPT2Config,
     GPT2LMHeadModel,
+    Trainer,
+    TrainingArguments,
     ViTConfig,
     ViTForImageClassification,
 )
@@ -27,6 +30,7 @@ from modeling_plat import (
     PlatVisionModel,
     plap_attention_weights,
 )
+from modeling_plat.cache_name import CACHE_NAME
 from modeling_plat.convert import convert_to_plat
 from modeling_plat.modeling_plat import apply_rotary
 from reference import reference_plap_attention
@@ -186,8 +190,8 @@ def test_lm_outputs_and_loss(shape):
     assert out.logits.shape == (2, 9, 61)
     expected = torch.nn.functional.cross_entropy(out.logits[:, :-1].reshape(-1, 61), ids[:, 1:].reshape(-1))
     torch.testing.assert_close(out.loss, expected)
-    assert isinstance(out.past_key_values, Cache)
-    key_cache = out.past_key_values.layers[0].keys
+    assert isinstance(getattr(out, CACHE_NAME), Cache)
+    key_cache = getattr(out, CACHE_NAME).layers[0].keys
     assert key_cache.shape == (2, model.config.head_shape()[0], 9, 8)  # (B, key/value heads, T, head_dim)
     assert len(out.hidden_states) == 3 and len(out.attentions) == 2
     assert out.attentions[0].shape == (2, 4, 9, 9) and out.attentions[0].requires_grad
@@ -209,7 +213,8 @@ def test_attentions_are_the_effective_weights():
     assert (out.attentions[0][:, :3].sum(-1) - 1).abs().max() > 1e-3  # rows of A * P need not sum to 1
 
 
-def test_incremental_decoding_matches_full_forward(shape):
+@pytest.mark.parametrize("argument", ["cache", "past_key_values"])  # transformers >= 5.24 passes cache=
+def test_incremental_decoding_matches_full_forward(argument, shape):
     model = lm(**shape)
     # Distinct tokens: with rotary positions a repeated token has the same first-layer value, and the rounding of
     # its D2 ~ 0 (a matmul expansion) differs between a full and a cached forward; the paper formulation's
@@ -217,12 +222,28 @@ def test_incremental_decoding_matches_full_forward(shape):
     ids = torch.stack([torch.randperm(59)[:12] + 2 for _ in range(2)])
     full = model(ids, use_cache=False).logits
     prefix = model(ids[:, :7], use_cache=True)
-    cache, steps = prefix.past_key_values, [prefix.logits]
+    cache, steps = getattr(prefix, CACHE_NAME), [prefix.logits]
     for t in range(7, 12):
-        step = model(ids[:, t : t + 1], past_key_values=cache, use_cache=True)
-        cache = step.past_key_values
+        step = model(ids[:, t : t + 1], use_cache=True, **{argument: cache})
+        cache = getattr(step, CACHE_NAME)
         steps.append(step.logits)
     torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-5, atol=1e-5)
+
+
+def test_a_cache_under_both_names_is_refused():
+    model = lm()
+    cache = getattr(model(torch.randint(2, 61, (1, 4)), use_cache=True), CACHE_NAME)
+    with pytest.raises(ValueError, match="Pass the KV cache once"):
+        model(torch.randint(2, 61, (1, 1)), cache=cache, past_key_values=cache)
+
+
+def test_trainer_predictions_leave_the_cache_out(tmp_path):
+    model = lm()
+    ids = torch.randint(2, 61, (3, 6))
+    dataset = [{"input_ids": row, "labels": row} for row in ids]
+    args = TrainingArguments(tmp_path, per_device_eval_batch_size=3, report_to=[], use_cpu=True, use_cache=True)
+    predictions = Trainer(model, args).predict(dataset).predictions
+    assert isinstance(predictions, np.ndarray) and predictions.shape == (3, 6, 61)
 
 
 @pytest.mark.parametrize("formulation", ["paper", "euler"])

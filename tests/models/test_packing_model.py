@@ -8,6 +8,8 @@ from tiny import TEXT_SHAPES, lm
 from torch.nn import functional as F
 from transformers import DataCollatorWithFlattening, DynamicCache
 
+from modeling_plat.cache_name import CACHE_NAME
+
 # Not multiples of any tile; a one-token document; a long one.
 LENGTHS = (5, 11, 1, 20)
 DOCUMENTS = [torch.randint(2, 61, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in LENGTHS]
@@ -35,7 +37,7 @@ def test_each_packed_document_gets_its_logits_and_loss_alone(shape, backend, for
             torch.testing.assert_close(output.logits[:, start : start + len(document)], alone.logits)
             token_losses.append(F.cross_entropy(alone.logits[0, :-1], ids[0, 1:], reduction="sum"))
             start += len(document)
-    assert output.past_key_values is None  # a cache of packed rows would attend across documents
+    assert getattr(output, CACHE_NAME) is None  # a cache of packed rows would attend across documents
     expected = torch.stack(token_losses).sum() / (sum(LENGTHS) - len(LENGTHS))
     torch.testing.assert_close(output.loss, expected)
 
@@ -55,9 +57,9 @@ def test_packed_rows_with_a_cache_are_refused():
     model = lm()
     batch = packed(False)
     with pytest.raises(ValueError, match="packed documents.*KV cache"):
-        model(**batch, past_key_values=DynamicCache(config=model.config))
+        model(**batch, cache=DynamicCache(config=model.config))
     with pytest.raises(ValueError, match="cu_seq_lens_q.*KV cache"):
-        model(**packed(True), past_key_values=DynamicCache(config=model.config))
+        model(**packed(True), cache=DynamicCache(config=model.config))
 
 
 @pytest.mark.parametrize(

@@ -72,7 +72,7 @@ def test_static_cache_is_refused_up_front(shape):
     with pytest.raises(ValueError, match="p-LaT needs a DynamicCache"):
         model.generate(torch.randint(2, 61, (2, 5)), max_new_tokens=3, cache_implementation="static")
     with pytest.raises(ValueError, match="DynamicCache"):
-        model(torch.randint(2, 61, (1, 3)), past_key_values=StaticCache(config=model.config, max_cache_len=8))
+        model(torch.randint(2, 61, (1, 3)), cache=StaticCache(config=model.config, max_cache_len=8))
 
 
 def test_range_checks_read_no_device_tensor():
