@@ -1,11 +1,13 @@
 """Spectral and energy diagnostics of p-LaT layers (arXiv 2311.03235, Sections 3-4), per layer and per head.
 
 For a batch of real inputs, every attention layer l of a model is measured on the tensors it actually computes.
-A is the layer's softmax kernel softmax(q k^T / sqrt(d)) (causal for the language model), V a head's value
-vectors entering the layer (V = LN(h) W_V), p the head's exponent, P = (D2 + eps)^((p - 2) / 2) its weights,
-W = A * P, W_off = W off the self pairs, and M the effective matrix of the head's step (U = M V; paper: M = W;
-euler: M = W_off + diag(1 - rowsum W_off)). Every number is a batch mean, one per head: heads with different
-p are never summed, because J has the units of ||v||^p.
+A is the layer's softmax kernel softmax(q k^T / sqrt(d)) (causal for the language model; q and k with their rotary
+positions in the Llama shape), V a head's value vectors entering the layer (V = LN(h) W_V; with grouped-query
+attention, those of the key/value head that the query head reads), p the head's exponent,
+P = (D2 + eps)^((p - 2) / 2) its weights, W = A * P, W_off = W off the self pairs, and M the effective matrix of
+the head's step (U = M V; paper: M = W; euler: M = W_off + diag(1 - rowsum W_off); noself: W with the self pairs'
+P set to 1; selfweight: A with the self pairs' P kept). Every number is a batch mean, one per head: heads with
+different p are never summed, because J has the units of ||v||^p.
 
 * ``energy``: eq. 3 with the layer's kernel, J = (1/p) sum_{x != y} A[x, y] (||v_y - v_x||^2 + eps)^(p / 2)
   (eps as in P, so that the p-Laplacian step below is exactly its gradient; the self pairs add nothing).
@@ -18,13 +20,15 @@ p are never summed, because J has the units of ||v||^p.
   theorem says nothing about a finite step (tau = 1) or about the eq. 12 step either.
 * ``step_energy_ratio``: J(M V) / J(V) for the head's actual step, kernel and p held fixed: below 1 the step
   lowered the energy. An explicit Euler step overshoots when it is too long:
-* ``max_offdiag_rowsum``: max_x sum_{y != x} W[x, y], the step length of the Euler step (softmax: at most 1;
-  p > 2 heads on spread-out values exceed 1, and past about 2 the step overshoots).
+* ``max_offdiag_rowsum``: max_x sum_{y != x} M[x, y], the step length (W_off in every formulation but selfweight,
+  whose other tokens keep A; softmax: at most 1; p > 2 heads on spread-out values exceed 1, and past about 2 an
+  Euler step overshoots).
 * ``attention_hc_dc_gain``: Definition 4.1's high-frequency / DC ratio (DFT along the tokens, norms over
   channels) of U = M V divided by that of V: below 1 the head smooths its input (a low-pass step).
-* ``attention_hc_dc_gain_without_self_weight``: the same for A * P with the self pair's P set to 1, a control
-  on the same model: for p < 2 in the paper's formulation the self pair weighs eps^((p - 2) / 2) (31.6 at
-  p = 1.5, eps = 1e-6), and this separates that self-weight from the weighting of the other tokens.
+* ``attention_hc_dc_gain_without_self_weight``: the same for M with the self pair's P set to 1, a control
+  on the same model: for p < 2 in the paper's (and the selfweight) formulation the self pair weighs
+  eps^((p - 2) / 2) (31.6 at p = 1.5, eps = 1e-6), and this separates that self-weight from the weighting of the
+  other tokens (euler and noself have no self-weight: the same as the gain itself).
 * ``lambda_max_softmax`` / ``lambda_max_effective``: the largest |eigenvalue| of A and of M (Theorems
   4.3-4.4; a row-stochastic A has 1). For a causal kernel the matrices are triangular and their eigenvalues are
   the diagonal: a causal paper-formulation head has lambda_max >= eps^((p - 2) / 2) from its first token,
@@ -44,6 +48,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from modeling_plat.modeling_plat import apply_rotary, repeat_kv
 from modeling_plat.plap_attention_reference import plap_attention_weights, squared_value_distances
 from plat_train.arguments import ModelArguments
 from plat_train.model_setup import build_config, load_model
@@ -92,9 +97,20 @@ def largest_abs_eigenvalue(matrices):
 # --- Measuring a model -------------------------------------------------------------------------------------
 
 
-def _heads(projection, hidden, num_heads):
+def head_inputs(attention, hidden, position_embeddings=None):
+    """(query, key, value) of every query head, each (B, H, N, d), as ``attention`` computes them from ``hidden``:
+    rotary positions on queries and keys when given ((cos, sin), the Llama shape), and each key/value head
+    repeated for the query heads it serves (grouped-query attention)."""
     batch, length, _ = hidden.shape
-    return projection(hidden).view(batch, length, num_heads, -1).transpose(1, 2)  # (B, H, N, d)
+
+    def heads(projection):
+        return projection(hidden).view(batch, length, -1, attention.head_dim).transpose(1, 2)  # (B, H | H_kv, N, d)
+
+    query, key, value = heads(attention.q_proj), heads(attention.k_proj), heads(attention.v_proj)
+    if position_embeddings is not None:
+        query, key = apply_rotary(query, *position_embeddings), apply_rotary(key, *position_embeddings)
+    repeats = attention.num_heads // attention.num_kv_heads
+    return query, repeat_kv(key, repeats), repeat_kv(value, repeats)  # (B, H, N, d)
 
 
 def euler_direction(weights, value):
@@ -112,14 +128,11 @@ def energy_rate(value, kernel, p, eps, direction):
     return (gradient * direction).sum((-1, -2)) / energy.detach()
 
 
-def attention_diagnostics(attention, hidden, attn_mask=None):
-    """Per-head metrics of one ``PlatAttention`` fed ``hidden`` (the normalised block input, (B, N, D)).
-
-    Returns a dict of (H,) tensors, batch means; see the module docstring for their definitions.
-    """
-    num_heads = attention.num_heads
-    query, key, value = (_heads(proj, hidden, num_heads) for proj in (attention.q_proj, attention.k_proj,
-                                                                     attention.v_proj))
+def head_matrices(attention, hidden, attn_mask=None, position_embeddings=None):
+    """(A, W, M, V) of one ``PlatAttention`` fed ``hidden`` (the normalised block input, (B, N, D)): the softmax
+    kernel, W = A * P with the p-Laplacian P of every pair, the effective matrix M of the layer's formulation
+    (each (B, H, N, N)), and the values (B, H, N, d)."""
+    query, key, value = head_inputs(attention, hidden, position_embeddings)
     p = torch.tensor(attention.p_values, device=hidden.device)
     config = attention.config
 
@@ -131,12 +144,24 @@ def attention_diagnostics(attention, hidden, attn_mask=None):
     softmax_kernel = weights_of(torch.full_like(p, 2.0), "paper")
     weights = weights_of(p, "paper")  # A * P, (B, H, N, N)
     effective = weights if config.plap_formulation == "paper" else weights_of(p, config.plap_formulation)
+    return softmax_kernel, weights, effective, value.to(weights.dtype)
+
+
+def attention_diagnostics(attention, hidden, attn_mask=None, position_embeddings=None):
+    """Per-head metrics of one ``PlatAttention`` fed ``hidden`` (the normalised block input, (B, N, D)) and, in the
+    Llama shape, the rotary ``position_embeddings`` (cos, sin) of its tokens.
+
+    Returns a dict of (H,) tensors, batch means; see the module docstring for their definitions.
+    """
+    softmax_kernel, weights, effective, value = head_matrices(attention, hidden, attn_mask, position_embeddings)
+    p = torch.tensor(attention.p_values, device=hidden.device)
+    config = attention.config
     self_pairs = torch.eye(weights.shape[-1], dtype=torch.bool, device=weights.device)
-    value = value.to(weights.dtype)
     output = effective @ value  # (B, H, N, d)
-    # The paper's step with the self pair's P replaced by 1: what the other tokens' weights alone do.
-    without_self_weight = torch.where(self_pairs, softmax_kernel, weights) if config.plap_formulation == "paper" \
-        else effective
+    # The step with the self pair's P replaced by 1: what the other tokens' weights alone do. The Euler step has no
+    # self pair's P (its diagonal is 1 - the row sum): the same step.
+    without_self_weight = effective if config.plap_formulation == "euler" \
+        else torch.where(self_pairs, softmax_kernel, effective)
     direction = euler_direction(weights, value)
     value_ratio = hc_dc_ratio(value)
     return {
@@ -144,7 +169,7 @@ def attention_diagnostics(attention, hidden, attn_mask=None):
         "energy_rate": energy_rate(value, softmax_kernel, p, config.plap_eps, direction).mean(0),
         "step_energy_ratio": (p_dirichlet_energy(output, softmax_kernel, p, config.plap_eps)
                               / p_dirichlet_energy(value, softmax_kernel, p, config.plap_eps)).mean(0),
-        "max_offdiag_rowsum": torch.where(self_pairs, 0.0, weights).sum(-1).amax(-1).mean(0),
+        "max_offdiag_rowsum": torch.where(self_pairs, 0.0, effective).sum(-1).amax(-1).mean(0),
         "attention_hc_dc_gain": (hc_dc_ratio(output) / value_ratio).mean(0),
         "attention_hc_dc_gain_without_self_weight": (hc_dc_ratio(without_self_weight @ value) / value_ratio).mean(0),
         "lambda_max_softmax": largest_abs_eigenvalue(softmax_kernel).mean(0),
@@ -163,8 +188,8 @@ def _trunk(model):
 def diagnose(model, inputs):
     """All diagnostics of ``model`` on one batch: ``inputs`` are the model's keyword arguments.
 
-    Hooks record what each block receives (residual stream, then its normalised attention input and mask)
-    while the model runs once; the per-layer metrics are then computed from those tensors.
+    Hooks record what each block receives (residual stream, then its normalised attention input, mask and rotary
+    positions) while the model runs once; the per-layer metrics are then computed from those tensors.
     """
     layers = _trunk(model).layers
     stream, attention_inputs = [], []
@@ -177,7 +202,8 @@ def diagnose(model, inputs):
         stream.append(output[0])
 
     def record_attention_input(module, args):
-        attention_inputs.append((args[0], args[1] if len(args) > 1 else None))
+        # PlatLayer passes (hidden, attn_mask, past_key_values, output_attentions, position_embeddings, ...).
+        attention_inputs.append((args[0], args[1] if len(args) > 1 else None, args[4] if len(args) > 4 else None))
 
     handles = [layers[0].register_forward_pre_hook(record_block_input)]
     for layer in layers:
@@ -191,8 +217,8 @@ def diagnose(model, inputs):
             handle.remove()
 
     per_layer = []
-    for index, (layer, (hidden, attn_mask)) in enumerate(zip(layers, attention_inputs)):
-        metrics = attention_diagnostics(layer.attention, hidden, attn_mask)
+    for index, (layer, (hidden, attn_mask, position_embeddings)) in enumerate(zip(layers, attention_inputs)):
+        metrics = attention_diagnostics(layer.attention, hidden, attn_mask, position_embeddings)
         per_layer.append({"layer": index, "p": list(layer.attention.p_values),
                           **{name: metrics[name].tolist() for name in PER_HEAD_METRICS}})
     return {

@@ -2,7 +2,9 @@
 
 Seeds pair the runs (same initial weights, same batch order), so each comparison is a one-sample question about
 the per-seed differences d_i = variant_i - reference_i: their mean with a t-based 95% confidence interval, the
-two-sided paired t-test p-value, and the sign count. ``holm`` adjusts the p-values of a family of comparisons.
+two-sided paired t-test p-value, and the sign count. A contrast of several arms (a weighted sum of their results on
+each seed, e.g. a factorial main effect) is the same question about its per-seed values (``one_sample``).
+``holm`` adjusts the p-values of a family of comparisons.
 """
 
 import math
@@ -23,17 +25,14 @@ def mean_interval(values, confidence=CONFIDENCE):
     return mean, mean - half, mean + half
 
 
-def paired_comparison(variant, reference, confidence=CONFIDENCE):
-    """The paired statistics of two equal-length sequences of per-seed results, paired by position."""
-    if len(variant) != len(reference):
-        raise ValueError(f"paired samples need equal lengths; got {len(variant)} and {len(reference)}")
-    differences = [a - b for a, b in zip(variant, reference)]
-    n = len(differences)
-    mean, low, high = mean_interval(differences, confidence)
+def one_sample(values, confidence=CONFIDENCE):
+    """The t statistics of per-seed ``values`` against 0: mean with its interval, two-sided p-value, sign count."""
+    n = len(values)
+    mean, low, high = mean_interval(values, confidence)
     if n < 2:
         t_value = p_value = math.nan
     else:
-        standard_error = statistics.stdev(differences) / math.sqrt(n)
+        standard_error = statistics.stdev(values) / math.sqrt(n)
         if standard_error == 0:
             t_value = math.copysign(math.inf, mean) if mean else math.nan
             p_value = 0.0 if mean else 1.0
@@ -42,15 +41,23 @@ def paired_comparison(variant, reference, confidence=CONFIDENCE):
             p_value = float(2 * stats.t.sf(abs(t_value), n - 1))
     return {
         "n": n,
-        "differences": differences,
-        "mean_difference": mean,
+        "mean": mean,
         "ci_low": low,
         "ci_high": high,
         "t": t_value,
         "p_value": p_value,
-        "positive": sum(d > 0 for d in differences),
-        "negative": sum(d < 0 for d in differences),
+        "positive": sum(v > 0 for v in values),
+        "negative": sum(v < 0 for v in values),
     }
+
+
+def paired_comparison(variant, reference, confidence=CONFIDENCE):
+    """The paired statistics of two equal-length sequences of per-seed results, paired by position."""
+    if len(variant) != len(reference):
+        raise ValueError(f"paired samples need equal lengths; got {len(variant)} and {len(reference)}")
+    differences = [a - b for a, b in zip(variant, reference)]
+    test = one_sample(differences, confidence)
+    return {"n": test.pop("n"), "differences": differences, "mean_difference": test.pop("mean"), **test}
 
 
 def holm(p_values):

@@ -4,8 +4,10 @@
     python experiments/run_grid.py                      # run (or resume) every cell, then stop
     python experiments/run_grid.py --dry_run            # print the cells' commands
     python experiments/run_grid.py --only ptb/paper_mix/lr3e-3-seed1 --runs_dir runs/check   # one cell again
+    python experiments/run_grid.py --restore_from results/runs --parts amendment   # the amendment's cells only
 
-Cells whose record (``cell.json``) exists are skipped, so an interrupted study resumes where it stopped.
+Cells whose record (``cell.json``) exists are skipped, so an interrupted study resumes where it stopped;
+``--restore_from`` turns the records that summarize.py publishes (``results/runs/``) into such finished cells.
 Several runners may work on one runs folder side by side (one per core, ``OMP_NUM_THREADS=1``): each claims
 the next cell with a lock file, and a claim whose process has died is taken over. Cells that depend on the
 learning-rate selection wait until it is decided. A failed cell is recorded as such (its log beside its
@@ -73,7 +75,7 @@ def failure_of(cell, runs_dir):
 def selection_results(runs_dir, tasks):
     results = {}
     for task in tasks:
-        for cell in protocol.selection_cells(task):
+        for cell in protocol.selection_cells(task):  # of every part: the plan of any part may ask
             record = record_of(cell, runs_dir)
             results[cell] = None if record is None else record["results"]
     return results
@@ -183,10 +185,10 @@ def run_cell(cell, runs_dir, extra_args=()):
 # --- The loop ------------------------------------------------------------------------------------------------
 
 
-def run_study(runs_dir, tasks, extra_args=(), wait_seconds=WAIT_SECONDS):
-    """Run every unfinished cell of ``tasks`` that no other runner holds; returns the failed cells."""
+def run_study(runs_dir, tasks, extra_args=(), wait_seconds=WAIT_SECONDS, parts=protocol.PARTS):
+    """Run every unfinished cell of ``tasks`` in ``parts`` that no other runner holds; returns the failed cells."""
     while True:
-        plan = protocol.planned_cells(selection_results(runs_dir, tasks), tasks)
+        plan = protocol.planned_cells(selection_results(runs_dir, tasks), tasks, parts)
         todo = [c for c in plan if c is None or (record_of(c, runs_dir) is None and failure_of(c, runs_dir) is None)]
         if not todo:
             break
@@ -204,8 +206,26 @@ def run_study(runs_dir, tasks, extra_args=(), wait_seconds=WAIT_SECONDS):
             run_cell(cell, runs_dir, extra_args)
         finally:
             release(cell, runs_dir)
-    plan = protocol.planned_cells(selection_results(runs_dir, tasks), tasks)
+    plan = protocol.planned_cells(selection_results(runs_dir, tasks), tasks, parts)
     return [c for c in plan if c is not None and failure_of(c, runs_dir) is not None]
+
+
+def restore_records(records_dir, runs_dir):
+    """Make the records that summarize.py publishes (``<task>/<variant>-lr<lr>-seed<k>.json``, each with its
+    training log) finished cells of ``runs_dir``: ``cell.json`` and the ``trainer_state.json`` that the summary
+    reads, for every cell that has no record there. Their models are not restored. Returns the cells restored."""
+    restored = []
+    for path in sorted(Path(records_dir).glob("*/*.json")):
+        record = json.loads(path.read_text())
+        cell = Cell(*(record[name] for name in ("task", "variant", "lr", "seed", "phase")))
+        if record_of(cell, runs_dir) is not None:
+            continue
+        folder = cell.path(runs_dir)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "trainer_state.json").write_text(json.dumps({"log_history": record.pop("log_history")}))
+        (folder / "cell.json").write_text(json.dumps(record, indent=2))  # last: it marks the cell done
+        restored.append(cell)
+    return restored
 
 
 def parse_cell(text):
@@ -216,16 +236,21 @@ def parse_cell(text):
         cell = Cell(task, variant, lr, int(seed), "selection")
     except ValueError:
         raise argparse.ArgumentTypeError(f"a cell is task/variant/lr<lr>-seed<k>; got {text!r}") from None
-    if task not in TASKS or variant not in protocol.VARIANTS:
-        raise argparse.ArgumentTypeError(f"unknown task or variant in {text!r}")
-    phase = "control" if variant in protocol.CONTROLS else ("selection" if cell.seed == protocol.SELECTION_SEED else "main")
+    if task not in TASKS or protocol.part_of(task, variant) is None:
+        raise argparse.ArgumentTypeError(f"unknown task, or a variant the task does not plan, in {text!r}")
+    phase = ("control" if variant in TASKS[task].controls
+             else "selection" if cell.seed == protocol.SELECTION_SEED else "main")
     return Cell(task, variant, lr, int(seed), phase)
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tasks", nargs="+", choices=list(TASKS), default=list(TASKS))
+    parser.add_argument("--parts", nargs="+", choices=protocol.PARTS, default=list(protocol.PARTS),
+                        help="the original protocol's cells, its amendment's (2026-11-24), or both")
     parser.add_argument("--runs_dir", default=str(REPO / "runs" / "study"))
+    parser.add_argument("--restore_from", default=None, metavar="DIR",
+                        help="first make the published records in DIR (e.g. results/runs) finished cells")
     parser.add_argument("--train_args", default="",
                         help="extra flags for every cell, e.g. \"--bf16 --dataloader_num_workers 4\" on a GPU")
     parser.add_argument("--only", type=parse_cell, default=None, metavar="TASK/VARIANT/lrLR-seedK",
@@ -234,8 +259,11 @@ def main(argv=None):
     args = parser.parse_args(argv)
     extra = shlex.split(args.train_args)
 
+    if args.restore_from is not None:
+        restored = restore_records(args.restore_from, args.runs_dir)
+        print(f"{len(restored)} finished cell(s) restored from {args.restore_from} into {args.runs_dir}")
     if args.dry_run:
-        for cell in protocol.planned_cells(selection_results(args.runs_dir, args.tasks), args.tasks):
+        for cell in protocol.planned_cells(selection_results(args.runs_dir, args.tasks), args.tasks, args.parts):
             print("(waits for the learning-rate selection)" if cell is None
                   else shown(shlex.join(cell_command(cell, args.runs_dir, extra))))
         return
@@ -249,10 +277,11 @@ def main(argv=None):
         finally:
             release(args.only, args.runs_dir)
         sys.exit(0 if record is not None else 1)
-    failed = run_study(args.runs_dir, args.tasks, extra)
+    failed = run_study(args.runs_dir, args.tasks, extra, parts=args.parts)
     if failed:
         sys.exit(f"{len(failed)} cell(s) failed: {[str(c.path(args.runs_dir)) for c in failed]}")
-    print(f"Every cell of {', '.join(args.tasks)} is done; summarise with experiments/summarize.py")
+    print(f"Every cell of {', '.join(args.tasks)} ({', '.join(args.parts)}) is done; summarise with "
+          "experiments/summarize.py")
 
 
 if __name__ == "__main__":

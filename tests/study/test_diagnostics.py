@@ -1,14 +1,15 @@
 """The spectral and energy diagnostics: analytic values, two independent computations of each quantity,
-the p = 2 oracle, and the command line on tiny saved models."""
+the p = 2 oracle, the model's own attention in every formulation and shape, and the command line on tiny saved
+models."""
 
 import json
 import math
 
 import pytest
 import torch
-from tiny import text_config, vision_config
+from tiny import TEXT_SHAPES, text_config, vision_config
 
-from modeling_plat import PlatForCausalLM, PlatForImageClassification
+from modeling_plat import FORMULATIONS, PlatForCausalLM, PlatForImageClassification
 import diagnostics
 from diagnostics import energy_rate, euler_direction, hc_dc_ratio, largest_abs_eigenvalue, p_dirichlet_energy
 from modeling_plat import PlatImageProcessor
@@ -172,17 +173,77 @@ def test_command_line_on_tiny_image_models_writes_json_and_pngs(tmp_path):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_command_line_on_a_tiny_language_model_reads_a_text_file(tmp_path):
+@pytest.mark.parametrize("shape", TEXT_SHAPES)
+@pytest.mark.parametrize("formulation", FORMULATIONS)
+def test_the_measured_matrices_are_the_models_own_attention(shape, formulation):
+    """A, W and M rebuilt from a layer's input are what the layer computes: its output_attentions (the effective M,
+    rotary positions and grouped key/value heads included), and W = A * P off the self pairs."""
+    torch.manual_seed(11)
+    model = PlatForCausalLM(text_config(**TEXT_SHAPES[shape], plap_formulation=formulation)).eval()
+    inputs = []
+    handles = [layer.attention.register_forward_pre_hook(lambda module, args: inputs.append(args))
+               for layer in model.model.layers]
+    with torch.no_grad():
+        attentions = model(torch.randint(2, 61, (2, 12)), output_attentions=True, use_cache=False).attentions
+    for handle in handles:
+        handle.remove()
+    off = ~torch.eye(12, dtype=torch.bool)
+    for layer, args, expected in zip(model.model.layers, inputs, attentions):
+        softmax_kernel, weights, effective, _ = diagnostics.head_matrices(layer.attention, args[0], args[1], args[4])
+        torch.testing.assert_close(effective, expected)
+        if formulation != "selfweight":  # its other tokens keep A: W is the p-Laplacian's, not the step's
+            torch.testing.assert_close(torch.where(off, weights, 0.0), torch.where(off, effective, 0.0))
+        torch.testing.assert_close(softmax_kernel.sum(-1), torch.ones(2, 4, 12))
+
+
+def test_self_weight_control_of_the_noself_and_selfweight_formulations():
+    torch.manual_seed(12)
+    hidden = torch.randn(2, 17, 24)
+    mix = [1.5, 1.5, 2.5]
+    models = {name: PlatForImageClassification(vision_config(plap_p=2.0 if name == "softmax" else mix,
+                                                             plap_formulation=name if name != "softmax" else "paper"))
+              for name in ("softmax", "paper", "noself", "selfweight")}
+    for model in models.values():
+        model.load_state_dict(models["softmax"].state_dict())
+    metrics = {name: diagnostics.attention_diagnostics(model.eval().vit.layers[0].attention, hidden)
+               for name, model in models.items()}
+    # Without its self pair's P, the paper step is the noself step, and the selfweight step is softmax attention.
+    torch.testing.assert_close(metrics["paper"]["attention_hc_dc_gain_without_self_weight"],
+                               metrics["noself"]["attention_hc_dc_gain"])
+    torch.testing.assert_close(metrics["noself"]["attention_hc_dc_gain_without_self_weight"],
+                               metrics["noself"]["attention_hc_dc_gain"])
+    torch.testing.assert_close(metrics["selfweight"]["attention_hc_dc_gain_without_self_weight"],
+                               metrics["softmax"]["attention_hc_dc_gain"])
+    # The selfweight step's other tokens keep softmax's weights; the noself step's are the paper's.
+    assert (metrics["selfweight"]["max_offdiag_rowsum"] < 1).all()
+    torch.testing.assert_close(metrics["noself"]["max_offdiag_rowsum"], metrics["paper"]["max_offdiag_rowsum"])
+
+
+def test_diagnose_a_llama_shaped_model():
+    torch.manual_seed(13)
+    model = PlatForCausalLM(text_config(**TEXT_SHAPES["llama"], plap_formulation="selfweight")).eval()
+    report = diagnostics.diagnose(model, {"input_ids": torch.randint(2, 61, (2, 12)), "use_cache": False})
+    assert report["formulation"] == "selfweight" and len(report["hidden_hc_dc_ratio"]) == 3
+    for layer in report["layers"]:
+        assert layer["p"] == [1.5, 1.5, 2.5, 2.5]
+        assert all(len(layer[name]) == 4 for name in diagnostics.PER_HEAD_METRICS)
+        assert layer["lambda_max_softmax"] == pytest.approx([1.0] * 4)
+        # Causal: triangular M, whose first token carries the self-weight eps^((p - 2) / 2) alone.
+        assert layer["lambda_max_effective"][:2] == pytest.approx([1e-6 ** -0.25] * 2, rel=1e-5)
+
+
+@pytest.mark.parametrize("shape, formulation", [("gpt2", "euler"), ("llama", "noself")])
+def test_command_line_on_a_tiny_language_model_reads_a_text_file(tmp_path, shape, formulation):
     lines = ["the cat sat on the mat", "a dog ran after the cat", "the mat was red"] * 4
     (tmp_path / "text.txt").write_text("\n".join(lines))
     torch.manual_seed(7)
-    PlatForCausalLM(text_config(plap_formulation="euler")).save_pretrained(tmp_path / "lm")
+    PlatForCausalLM(text_config(**TEXT_SHAPES[shape], plap_formulation=formulation)).save_pretrained(tmp_path / "lm")
     train_tokenizer(lines, "word").save_pretrained(tmp_path / "lm")
     out = tmp_path / "out"
     diagnostics.main(["--model", str(tmp_path / "lm"), "--task", "text", "--inputs", str(tmp_path / "text.txt"),
                       "--batch_size", "2", "--block_size", "16", "--out", str(out)])
     result = json.loads((out / "diagnostics.json").read_text())["models"]["lm"]
-    assert result["formulation"] == "euler" and result["input_shape"] == [2, 16]
+    assert result["formulation"] == formulation and result["input_shape"] == [2, 16]
     assert (out / "heads.png").is_file()
 
 
