@@ -480,11 +480,12 @@ class PlatForCausalLM(PlatPreTrainedModel, GenerationMixin):
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            cache=given_cache(cache, past_key_values),
+            cache=cache,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             output_attentions=output_attentions,
             output_hidden_states=output_hidden_states,
+            past_key_values=past_key_values,
             return_dict=True,
             **kwargs,  # cu_seq_lens_q / cu_seq_lens_k of packed rows
         )
