@@ -9,11 +9,10 @@ there. Each must compile and its shared memory must fit the smallest limit among
 configuration; registers and spills are printed.
 
 Compiled: every admitted (arch, dtype, head size) with causal + key padding + euler + packed documents (every
-optional branch of the kernels, and the most state; packed rows have as many queries as keys), at head sizes 64, 128
-and 80 (not a power of two, padded to 128) and one with a value size that differs; and per (arch, dtype) the
-other side of each branch (no mask, paper) at head size 64 with lengths that are not multiples of 16 and
-Nq < Nk. ``-m slow`` compiles the smaller and the other head sizes (16 to 128), every flag combination at head
-size 64, and sm_86 / sm_89 as well. Triton's cache
+optional branch of the kernels, and the most state; packed rows have as many queries as keys), at head sizes 16, 32, 64, 128 (one per padded size) and 80 (not a power of
+two, padded to 128) and one with a value size that differs; and per (arch, dtype) the other side of each
+branch (no mask, paper) at head size 64 with lengths that are not multiples of 16 and Nq < Nk. ``-m slow``
+compiles more head sizes, every flag combination at head size 64, and sm_86 / sm_89 as well. Triton's cache
 points at a new directory, so that nothing compiled before can hide a failure.
 """
 
@@ -60,7 +59,7 @@ def cases(archs, head_dims, flag_sets, lengths=(256, 256), p=1.5):
 ALL_ON, ALL_OFF = (True,) * 4, (False,) * 4
 # The power's classes (p = 1.5, 2.5 and any other p) compile different code: the other two at head size 128.
 DEFAULT_CASES = (
-    cases((80, 90), [(64, 64), (80, 80), (128, 128), (64, 80)], [ALL_ON])
+    cases((80, 90), [(16, 16), (32, 32), (64, 64), (80, 80), (128, 128), (64, 80)], [ALL_ON])
     + cases((80, 90), [(64, 64)], [ALL_OFF], lengths=(197, 250))
     + [case for p in (2.5, 3.0) for case in cases((80, 90), [(128, 128)], [ALL_ON], p=p)]
 )
