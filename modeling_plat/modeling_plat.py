@@ -23,6 +23,7 @@ from transformers.modeling_outputs import (
     CausalLMOutputWithPast,
     ImageClassifierOutput,
 )
+from transformers.utils import logging
 from transformers.utils.generic import can_return_tuple
 
 from .cache_name import CACHE_NAME, given_cache
@@ -30,6 +31,8 @@ from .configuration_plat import PlatConfig, PlatConfigBase, PlatVisionConfig
 from .packing import packed_document_ids
 from .plap_attention import plap_attention
 from .plap_attention_reference import plap_attention_eager
+
+logger = logging.get_logger(__name__)
 
 
 class PlatRMSNorm(nn.Module):
@@ -398,6 +401,11 @@ class PlatModel(PlatPreTrainedModel):
         )
         use_cache = self.config.use_cache if use_cache is None else use_cache
         cache = given_cache(cache, past_key_values)
+        if self.gradient_checkpointing and self.training and (use_cache or cache is not None):
+            # the backward pass recomputes each layer, which would append its keys and values to the cache again
+            if cache is not None:
+                logger.warning_once("A cache is incompatible with gradient checkpointing: it is dropped.")
+            use_cache, cache = False, None
         self._check_text_inputs(input_ids, inputs_embeds, attention_mask, cache)
         batch, length = input_ids.shape if input_ids is not None else inputs_embeds.shape[:2]
         documents = packed_document_ids(
