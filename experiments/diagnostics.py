@@ -52,7 +52,8 @@ from modeling_plat.modeling_plat import apply_rotary, repeat_kv
 from modeling_plat.plap_attention_reference import plap_attention_weights, squared_value_distances
 from plat_train.arguments import ModelArguments
 from plat_train.model_setup import build_config, load_model
-from plat_train.vision_data import FASHION_MNIST_MEAN, FASHION_MNIST_STD, fashion_mnist_files, read_idx
+from plat_train.presets import image_processor_preset
+from plat_train.vision_data import fashion_mnist_files, read_idx
 
 FASHION_MNIST_TEST_IMAGES = str(fashion_mnist_files()["test"][0])
 TASKS = {"text": "text-generation", "image": "image-classification"}
@@ -267,7 +268,7 @@ def text_batch(model_path, config, inputs_file, batch_size, block_size):
 
 def image_batch(model_path, config, inputs_file, batch_size):
     """The first ``batch_size`` test images, preprocessed by the checkpoint's image processor when it has one,
-    else resized to the model's size and normalised with Fashion-MNIST's statistics."""
+    else resized to the model's size and normalised as the Fashion-MNIST preset is."""
     from PIL import Image
     from transformers import AutoImageProcessor
 
@@ -285,7 +286,8 @@ def image_batch(model_path, config, inputs_file, batch_size):
         arrays = [np.asarray(image.resize(size, Image.BICUBIC), dtype=np.float32) / 255 for image in images]
         pixels = torch.from_numpy(np.stack(arrays))  # (B, H, W) or (B, H, W, 3)
         pixels = pixels[:, None] if mode == "L" else pixels.permute(0, 3, 1, 2)
-        pixels = (pixels - FASHION_MNIST_MEAN[0]) / FASHION_MNIST_STD[0]
+        statistics = image_processor_preset("plat-fmnist-tiny")
+        pixels = (pixels - statistics["image_mean"][0]) / statistics["image_std"][0]
     if pixels.shape[1] != config.num_channels:
         raise ValueError(f"The image processor of {model_path} gives {pixels.shape[1]} channels; the model "
                          f"expects {config.num_channels}")

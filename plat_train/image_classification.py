@@ -31,6 +31,7 @@ from .arguments import ModelArguments, PlatTrainingArguments, parse_args
 from .ema import ModelEmaCallback
 from .model_cards import FASHION_MNIST_DATASET
 from .model_setup import build_config, load_model, saved_config
+from .presets import image_processor_preset
 from .runs import (
     check_launch,
     detect_last_checkpoint,
@@ -93,8 +94,11 @@ class AugmentArguments:
     eval_crop_pct: float = field(
         default=1.0, metadata={"help": "Eval view: resize the short side to size / crop_pct, centre crop (DeiT: 0.875)."}
     )
-    image_mean: list[float] | None = field(default=None, metadata={"help": "Per-channel mean (default: by data)."})
-    image_std: list[float] | None = field(default=None, metadata={"help": "Per-channel std (default: by data)."})
+    image_mean: list[float] | None = field(
+        default=None, metadata={"help": "Per-channel mean (default: the saved model's, else its preset's, else 0.5 "
+                                        "grayscale / ImageNet's RGB)."}
+    )
+    image_std: list[float] | None = field(default=None, metadata={"help": "Per-channel std (default: as the mean)."})
     model_ema: bool = field(default=False, metadata={"help": "Keep an EMA of the weights; evaluate and save it too."})
     model_ema_decay: float = field(
         default=0.99996, metadata={"help": "EMA decay per optimizer step once warmed up (DeiT: 0.99996)."}
@@ -144,24 +148,25 @@ def build_model(model_args, saved, labels):
         return load_model(model_args, config, "image-classification", saved, **load_kwargs)
 
 
-def build_image_processor(model_args, aug_args, config, is_fashion_mnist):
+def build_image_processor(model_args, aug_args, config):
     """The evaluation preprocessing, saved with the model so AutoImageProcessor and pipelines reproduce it.
 
-    Fine-tuning keeps a saved model's mean/std unless given; grayscale models get PlatImageProcessor,
-    which folds the RGB that pipelines hand over back to one channel."""
-    saved = None
+    Mean and std: the flags, else a fine-tuned model's saved processor, else what the model preset ships
+    (configuration/processors/), else 0.5 for grayscale and ImageNet's for RGB. Grayscale models get
+    PlatImageProcessor, which folds the RGB that pipelines hand over back to one channel."""
     if model_args.model_name_or_path is not None:
         try:
             saved = AutoImageProcessor.from_pretrained(model_args.model_name_or_path, **model_args.hub_kwargs())
+            default = {"image_mean": saved.image_mean, "image_std": saved.image_std}
         except (OSError, ValueError):
-            saved = None
-    if config.num_channels == 1:
-        default_mean, default_std = (vision_data.FASHION_MNIST_MEAN, vision_data.FASHION_MNIST_STD) \
-            if is_fashion_mnist else ([0.5], [0.5])
+            default = {}
     else:
-        default_mean, default_std = IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-    mean = aug_args.image_mean or (saved.image_mean if saved is not None else default_mean)
-    std = aug_args.image_std or (saved.image_std if saved is not None else default_std)
+        default = image_processor_preset(model_args.config_name or DEFAULT_PRESET)
+    if not default:
+        default = ({"image_mean": [0.5], "image_std": [0.5]} if config.num_channels == 1
+                   else {"image_mean": IMAGENET_DEFAULT_MEAN, "image_std": IMAGENET_DEFAULT_STD})
+    mean = aug_args.image_mean or default["image_mean"]
+    std = aug_args.image_std or default["image_std"]
     if len(mean) != config.num_channels or len(std) != config.num_channels:
         raise ValueError(
             f"image_mean {mean} and image_std {std} need one value per channel (num_channels={config.num_channels})"
@@ -257,8 +262,7 @@ def main(args=None):
     saved = saved_config(model_args)
     labels = vision_data.label_names(raw["train"])
     model = build_model(model_args, saved, labels)
-    is_fashion_mnist = data_args.dataset_name is None and data_args.train_dir is None
-    image_processor = build_image_processor(model_args, aug_args, model.config, is_fashion_mnist)
+    image_processor = build_image_processor(model_args, aug_args, model.config)
 
     # Datasets
     train_set = None

@@ -6,7 +6,9 @@ inside this package as ``plat_train/configuration/``, so that names resolve from
 - ``models/<name>.json``: a model config (``--config_name plat-ptb-tiny``);
 - ``recipes/<name>.yaml``: a training recipe, the scripts' arguments in one file (``run_clm.py plat-ptb-tiny.yaml``);
 - ``accelerate/<name>.yaml``: an ``accelerate launch --config_file`` (``python -m plat_train.presets
-  accelerate/multi-gpu`` prints its path).
+  accelerate/multi-gpu`` prints its path);
+- ``processors/<name>.json``: the image preprocessing that the image model preset ``<name>`` was made for (the
+  mean and std of its data), which the image job takes when it builds that preset.
 
 Names follow ``<variant>-<size>``: ``plat-ptb-tiny`` is the p-LaT model, ``softmax-ptb-tiny`` its twin with
 p = 2 (softmax attention). ``python -m plat_train.presets`` lists them all with their sizes.
@@ -22,7 +24,7 @@ _PACKAGED = Path(__file__).resolve().parent / "configuration"
 CONFIGURATION_DIR = _PACKAGED if _PACKAGED.is_dir() else Path(__file__).resolve().parents[1] / "configuration"
 # What each kind of name means: its folder and file suffix.
 KINDS = {"model config": ("models", ".json"), "training recipe": ("recipes", ".yaml"),
-         "accelerate config": ("accelerate", ".yaml")}
+         "accelerate config": ("accelerate", ".yaml"), "image processor": ("processors", ".json")}
 
 
 def preset_path(name, kind):
@@ -46,6 +48,16 @@ def resolve_preset(name, kind, flag):
         return str(path)
     raise ValueError(f"{flag} {name!r} is neither a path nor a shipped {kind}; those are: "
                      f"{', '.join(preset_names(kind))}")
+
+
+def image_processor_preset(model_preset):
+    """The image processor settings shipped for a model preset, given by name or path; {} for any other config
+    and for a preset without them."""
+    given = Path(model_preset)
+    if given.exists() and given.resolve().parent != (CONFIGURATION_DIR / "models").resolve():
+        return {}
+    path = preset_path(given.name, "image processor")
+    return json.loads(path.read_text()) if path is not None else {}
 
 
 def resolve_config_name(name):
@@ -85,9 +97,10 @@ def main(argv=None):
         parser.error(f"no configuration named {args.name!r}")
     for name in preset_names("model config"):
         print(f"{name:28s} model config       {describe(CONFIGURATION_DIR / 'models' / f'{name}.json')}")
-    for kind in ("training recipe", "accelerate config"):
+    for kind in ("training recipe", "accelerate config", "image processor"):
+        folder, suffix = KINDS[kind]
         for name in preset_names(kind):
-            shown = f"accelerate/{name}" if kind == "accelerate config" else f"{name}.yaml"
+            shown = f"{name}.yaml" if kind == "training recipe" else f"{folder}/{name}"
             print(f"{shown:28s} {kind}")
 
 

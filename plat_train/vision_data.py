@@ -17,8 +17,6 @@ FASHION_MNIST_INSTALL = "apt-get install dataset-fashion-mnist"
 FASHION_MNIST_LABELS = [
     "T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot"
 ]
-# Per-pixel statistics of the 60k training images, scaled to [0, 1].
-FASHION_MNIST_MEAN, FASHION_MNIST_STD = [0.2860], [0.3530]
 IMAGE_EXTENSIONS = {".bmp", ".gif", ".jpeg", ".jpg", ".png", ".ppm", ".tif", ".tiff", ".webp"}
 
 

@@ -25,6 +25,7 @@ CONFIGURATION = ROOT / "configuration"
 FILES = sorted(path.relative_to(CONFIGURATION) for path in CONFIGURATION.rglob("*.*") if path.name != "README.md")
 RECIPES = sorted((CONFIGURATION / "recipes").glob("*.yaml"))
 ACCELERATE = sorted((CONFIGURATION / "accelerate").glob("*.yaml"))
+PROCESSORS = sorted((CONFIGURATION / "processors").glob("*.json"))
 
 
 def test_the_repository_folder_is_the_one_names_resolve_to():
@@ -43,11 +44,32 @@ def test_every_file_has_a_row_in_the_readme():
     assert [str(path) for path in FILES if f"`{path}`" not in readme] == []
 
 
-@pytest.mark.parametrize("name", ["accelerate/fsdp", "multi-node", "plat-ptb-tiny.yaml", "softmax-fmnist-tiny"])
+@pytest.mark.parametrize("name", ["accelerate/fsdp", "multi-node", "plat-ptb-tiny.yaml", "softmax-fmnist-tiny",
+                                  "processors/plat-fmnist-tiny"])
 def test_the_command_line_prints_a_configuration_path(name):
     printed = subprocess.run([sys.executable, "-m", "plat_train.presets", name], capture_output=True, text=True,
                              check=True, timeout=120).stdout.strip()
     assert Path(printed).is_file() and Path(printed).parent.parent == CONFIGURATION
+
+
+@pytest.mark.parametrize("path", PROCESSORS, ids=lambda path: path.stem)
+def test_image_processor_presets_fit_their_model_preset_and_its_twin(path):
+    model = json.loads((CONFIGURATION / "models" / path.name).read_text())
+    fields = json.loads(path.read_text())
+    assert set(fields) == {"image_mean", "image_std"}
+    assert len(fields["image_mean"]) == len(fields["image_std"]) == model["num_channels"]
+    variant, _, size = path.stem.partition("-")
+    assert json.loads(path.with_name(f"{'softmax' if variant == 'plat' else 'plat'}-{size}.json").read_text()) == fields
+    # by name, and by the shipped file's path
+    assert presets.image_processor_preset(path.stem) == fields
+    assert presets.image_processor_preset(str(CONFIGURATION / "models" / path.name)) == fields
+
+
+def test_other_configs_get_no_image_processor_preset(tmp_path):
+    copy = tmp_path / "plat-fmnist-tiny.json"  # a user's own file, whatever its name
+    copy.write_text((CONFIGURATION / "models" / "plat-fmnist-tiny.json").read_text())
+    assert presets.image_processor_preset(str(copy)) == {}
+    assert presets.image_processor_preset("plat-deit-tiny") == {}
 
 
 @pytest.mark.parametrize("path", sorted((CONFIGURATION / "models").glob("*.json")), ids=lambda path: path.stem)

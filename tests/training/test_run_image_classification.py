@@ -32,7 +32,7 @@ from plat_train import vision_data
 from plat_train.arguments import PlatTrainingArguments
 from plat_train.ema import ModelEmaCallback, ema_decay
 from plat_train.model_setup import parse_config_overrides
-from plat_train.presets import resolve_config_name
+from plat_train.presets import image_processor_preset, resolve_config_name
 from plat_train.trainers import ImageClassificationTrainer
 from plat_train.vision_augment import RAND_AUGMENT_OPS, MixupCutmix, TrainTransform, random_erasing
 
@@ -312,11 +312,22 @@ def test_fashion_mnist_default_and_grayscale_pipeline(tmp_path):
         assert 0 <= metrics[f"{split}_top1_accuracy"] <= metrics[f"{split}_top5_accuracy"] <= 1
     config = json.loads((output_dir / "config.json").read_text())
     assert config["num_channels"] == 1 and config["id2label"]["9"] == "Ankle boot"
+    saved = AutoImageProcessor.from_pretrained(output_dir)  # the default preset's statistics, not a generic 0.5
+    preset = image_processor_preset("plat-fmnist-tiny")
+    assert [list(saved.image_mean), list(saved.image_std)] == [preset["image_mean"], preset["image_std"]]
     classifier = pipeline("image-classification", model=str(output_dir), trust_remote_code=True)
     gray = Image.fromarray(np.random.default_rng(0).integers(0, 255, (28, 28), dtype=np.uint8), "L")
     # The pipeline opens images as RGB; the saved processor folds them back to the model's one channel.
     assert classifier(gray) == classifier(gray.convert("RGB"))
     assert len(classifier(gray.resize((50, 40)))) == 5
+
+
+@pytest.mark.skipif(not FASHION_MNIST_PRESENT, reason=f"Fashion-MNIST absent: `{vision_data.FASHION_MNIST_INSTALL}`")
+def test_the_fashion_mnist_preset_normalises_with_the_training_images_statistics():
+    pixels = vision_data.read_idx(vision_data.fashion_mnist_files()["train"][0]) / 255
+    shipped = image_processor_preset("plat-fmnist-tiny")
+    assert shipped["image_mean"] == [round(float(pixels.mean()), 3)]
+    assert shipped["image_std"] == [round(float(pixels.std()), 3)]
 
 
 def test_missing_fashion_mnist_says_how_to_install(tmp_path):
