@@ -51,6 +51,8 @@ class PlatConfigBase(PretrainedConfig):
         initializer_range (`float`, defaults to 0.02): std of the normal weight init.
         qkv_bias (`bool`, defaults to `True`): biases on the query, key and value projections.
         o_proj_bias (`bool`, defaults to `True`): bias on the attention output projection.
+        attention_bias (`bool`, optional): transformers' (Llama's) name for both of the above at once; reading it
+            gives their common value, or None where they differ (Qwen2: q/k/v biases only).
         mlp_bias (`bool`, defaults to `True`): biases on the MLP projections.
         plap_p (`float`, `list[float]` or `list[list[float]]`, defaults to the paper's mix): the exponent p,
             one for all heads, one per head (shared by all layers) or one per layer and head. `p = 2` is
@@ -85,6 +87,7 @@ class PlatConfigBase(PretrainedConfig):
         qkv_bias=True,
         o_proj_bias=True,
         mlp_bias=True,
+        attention_bias=None,
         plap_p=None,
         plap_eps=1e-6,
         plap_formulation="paper",
@@ -110,6 +113,8 @@ class PlatConfigBase(PretrainedConfig):
         self.qkv_bias = qkv_bias
         self.o_proj_bias = o_proj_bias
         self.mlp_bias = mlp_bias
+        if attention_bias is not None:
+            self.attention_bias = attention_bias
         self.plap_p = paper_p_mix(num_attention_heads) if plap_p is None else plap_p
         self.plap_eps = plap_eps
         self.plap_formulation = plap_formulation
@@ -154,6 +159,16 @@ class PlatConfigBase(PretrainedConfig):
         if self.plap_backend not in BACKENDS:
             raise ValueError(f"plap_backend must be one of {BACKENDS}; got {self.plap_backend!r}")
         self.p_per_layer()  # validates plap_p
+
+    @property
+    def attention_bias(self):
+        return self.qkv_bias if self.qkv_bias == self.o_proj_bias else None
+
+    @attention_bias.setter
+    def attention_bias(self, value):
+        if not isinstance(value, bool):
+            raise ValueError(f"attention_bias must be True or False; got {value!r}")
+        self.qkv_bias = self.o_proj_bias = value
 
     def head_shape(self):
         """(num_key_value_heads, head_dim) with the defaults of unset fields: num_attention_heads, hidden / heads."""

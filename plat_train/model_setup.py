@@ -109,7 +109,9 @@ def build_config(model_args, task, saved=None, default_config_name=None, **field
 
 
 def _refuse_unknown(overrides, config):
-    unknown = sorted(set(overrides) - set(config.to_dict()))
+    # Properties such as attention_bias (transformers' name for two of our fields) are settable but not saved.
+    unknown = sorted(name for name in overrides
+                     if name not in config.to_dict() and not isinstance(getattr(type(config), name, None), property))
     if unknown:
         raise ValueError(f"--config_overrides names fields that {type(config).__name__} does not have: {unknown}")
 

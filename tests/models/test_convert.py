@@ -16,6 +16,8 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
     ViTConfig,
@@ -83,6 +85,8 @@ def test_llama_family_converts_exactly_at_p2(name):
     (LlamaForCausalLM, LlamaConfig(**DECODER, rope_parameters={
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 32, "rope_theta": 1e4}), "rope_type 'llama3'"),
+    (Qwen2ForCausalLM, Qwen2Config(**DECODER, num_experts=4), "num_experts=4"),  # a Llama-family class with experts
+    (MixtralForCausalLM, MixtralConfig(**DECODER, num_local_experts=4, sliding_window=None), "MixtralForCausalLM"),
 ])
 def test_unrepresentable_llama_family_settings_are_refused_before_copying(model_class, config, field, monkeypatch):
     torch.manual_seed(0)

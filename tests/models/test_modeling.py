@@ -21,7 +21,7 @@ from transformers import (
     ViTConfig,
     ViTForImageClassification,
 )
-from transformers.cache_utils import Cache
+from transformers.cache_utils import Cache, DynamicCache
 
 from modeling_plat import (
     PlatConfig,
@@ -86,6 +86,20 @@ def test_llama_shape_config_fields(tmp_path):
     assert PlatForCausalLM(wide).model.layers[0].attention.q_proj.weight.shape == (48, 32)
 
 
+def test_attention_bias_sets_the_query_key_value_and_output_biases_as_llama_does(tmp_path):
+    attention = PlatForCausalLM(text_config(**LLAMA_SHAPE, attention_bias=True)).model.layers[0].attention
+    assert all(getattr(attention, name).bias is not None for name in ("q_proj", "k_proj", "v_proj", "o_proj"))
+    config = text_config(attention_bias=False)
+    assert (config.qkv_bias, config.o_proj_bias, config.attention_bias) == (False, False, False)
+    config.save_pretrained(tmp_path)
+    assert (AutoConfig.from_pretrained(tmp_path).qkv_bias, AutoConfig.from_pretrained(tmp_path).o_proj_bias) == (False, False)
+    assert text_config(qkv_bias=True, o_proj_bias=False).attention_bias is None  # Qwen2's q/k/v-only biases
+    config.attention_bias = True  # set after init, as --config_overrides does
+    assert (config.qkv_bias, config.o_proj_bias) == (True, True)
+    with pytest.raises(ValueError, match="attention_bias"):
+        text_config(attention_bias="yes")
+
+
 @pytest.mark.parametrize("fields, message", [
     (dict(position_embedding_type="rope", rope_parameters={"rope_type": "yarn", "factor": 4.0}), "'yarn'"),
     (dict(position_embedding_type="rope", rope_scaling={"type": "linear", "factor": 2.0}), "'linear'"),
@@ -132,27 +146,46 @@ def test_checkpoint_saved_before_the_llama_shapes_loads_with_its_weights_and_log
 @pytest.mark.parametrize("num_kv_heads", [1, 2, 4])
 def test_grouped_query_attention_matches_the_reference_with_repeated_kv(backend, num_kv_heads):
     """Each query head reads key/value head h // (H / H_kv) with its own p: the float64 reference on the
-    key/value heads repeated that way. Causal, with a padded row, and a step on top of a cache."""
+    key/value heads repeated that way. Causal, with a padded row: outputs and the gradient of the layer's input;
+    then two new tokens on top of a cache of five (DynamicCache with H_kv heads), also through the decode backend."""
     if backend == "triton":
         pytest.importorskip("triton")
-    model = lm(**LLAMA_SHAPE | dict(num_key_value_heads=num_kv_heads, plap_p=[1.5, 2.5, 1.2, 3.0],
-                                    plap_backend=backend))
+    p = [1.5, 2.5, 1.2, 3.0]
+    model = lm(**LLAMA_SHAPE | dict(num_key_value_heads=num_kv_heads, plap_p=p, plap_backend=backend))
     attention = model.model.layers[0].attention
-    hidden = torch.randn(2, 7, 32)
+    hidden = torch.randn(2, 7, 32, requires_grad=True)
     mask = torch.ones(2, 7, dtype=torch.bool)
     mask[1, :2] = False
     position_ids = (mask.long().cumsum(-1) - 1).clamp_min(0)
     rotary = model.model.rotary_emb(hidden, position_ids)
-    with torch.no_grad():
-        out, _ = attention(hidden, mask[:, None, None, :], None, False, rotary)
-        q = apply_rotary(attention.q_proj(hidden).view(2, 7, 4, 8).transpose(1, 2), *rotary)
-        k = apply_rotary(attention.k_proj(hidden).view(2, 7, num_kv_heads, 8).transpose(1, 2), *rotary)
-        v = attention.v_proj(hidden).view(2, 7, num_kv_heads, 8).transpose(1, 2)
-        repeats = 4 // num_kv_heads
-        k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
-        expected = reference_plap_attention(q, k, v, [1.5, 2.5, 1.2, 3.0], mask[:, None, None, :], is_causal=True)
-        expected = attention.o_proj(expected.float().transpose(1, 2).reshape(2, 7, 32))
-    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
+    out, _ = attention(hidden, mask[:, None, None, :], None, False, rotary)
+    (grad,) = torch.autograd.grad(out.square().sum(), hidden)
+
+    def project(name, heads, x):
+        weight = getattr(attention, name).weight.double()
+        return (x @ weight.T).view(2, 7, heads, 8).transpose(1, 2)  # (B, heads, N, d)
+
+    x = hidden.detach().double().requires_grad_()
+    cos, sin = (t.double() for t in rotary)
+    q, k = apply_rotary(project("q_proj", 4, x), cos, sin), apply_rotary(project("k_proj", num_kv_heads, x), cos, sin)
+    v = project("v_proj", num_kv_heads, x)
+    repeats = 4 // num_kv_heads
+    k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
+    expected = reference_plap_attention(q, k, v, p, mask[:, None, None, :], is_causal=True)
+    expected = expected.transpose(1, 2).reshape(2, 7, 32) @ attention.o_proj.weight.double().T
+    (expected_grad,) = torch.autograd.grad(expected.square().sum(), x)
+    torch.testing.assert_close(out, expected.float(), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(grad, expected_grad.float(), rtol=1e-4, atol=1e-4)
+
+    for step_backend in (backend, "decode"):
+        cache = DynamicCache(config=model.config)
+        with torch.no_grad():
+            model.config.plap_backend = backend
+            attention(hidden[:, :5], mask[:, None, None, :5], cache, False, tuple(t[:, :5] for t in rotary))
+            assert cache.layers[0].keys.shape == (2, num_kv_heads, 5, 8)
+            model.config.plap_backend = step_backend
+            step, _ = attention(hidden[:, 5:], mask[:, None, None, :], cache, False, tuple(t[:, 5:] for t in rotary))
+        torch.testing.assert_close(step, expected[:, 5:].float(), rtol=1e-4, atol=1e-5)
 
 
 def test_rotary_positions_have_no_length_limit_but_learned_ones_do():

@@ -342,6 +342,11 @@ def test_config_overrides_parse_lists_and_reject_unknown_fields():
     with pytest.raises(ValueError, match="plap_p"):
         build_config(run_clm.TextModelArguments(config_name="plat-ptb-tiny", config_overrides="plap_p=[1.5]"),
                      "text-generation")
+    for config_name in ("plat-ptb-tiny", None):  # transformers' name, set on a preset and on a fresh config
+        model_args = run_clm.TextModelArguments(config_name=config_name, model_type="plat",
+                                                config_overrides="attention_bias=false")
+        config = build_config(model_args, "text-generation")
+        assert (config.qkv_bias, config.o_proj_bias) == (False, False)
 
 
 def test_a_model_must_be_chosen(text_files, tmp_path):
