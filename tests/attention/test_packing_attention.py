@@ -57,10 +57,11 @@ def test_p2_heads_stay_inside_their_documents():
         (torch.zeros(1, 37), 37, "integers"),
     ],
 )
-def test_packing_that_cannot_be_honoured_is_refused(ids, nq, message):
+@pytest.mark.parametrize("backend", ["auto", "eager", "tiled", "triton", "decode"])
+def test_packing_that_cannot_be_honoured_is_refused(ids, nq, message, backend):
     (q, k, v), p = make_inputs(1, 3, 37, 37, 16, 16, torch.float32)
     with pytest.raises(ValueError, match=message):
-        plap_attention(q[:, :, -nq:], k, v, p, is_causal=True, document_ids=ids)
+        plap_attention(q[:, :, -nq:], k, v, p, is_causal=True, document_ids=ids, backend=backend)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

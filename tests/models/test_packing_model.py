@@ -23,9 +23,11 @@ def packed(boundaries):
 
 @pytest.mark.parametrize("boundaries", [False, True], ids=["position_ids", "cu_seq_lens"])
 @pytest.mark.parametrize("formulation", ["paper", "euler"])
-@pytest.mark.parametrize("backend", ["eager", "tiled"])
+@pytest.mark.parametrize("backend", ["eager", "tiled", "triton"])
 @pytest.mark.parametrize("shape", TEXT_SHAPES)
 def test_each_packed_document_gets_its_logits_and_loss_alone(shape, backend, formulation, boundaries):
+    if backend == "triton":
+        pytest.importorskip("triton")
     model = lm(**TEXT_SHAPES[shape], plap_p=[1.5, 1.5, 2.5, 2.0], plap_formulation=formulation, plap_backend=backend)
     batch = packed(boundaries)
     with torch.no_grad():
