@@ -37,10 +37,10 @@ routes a ``p`` that requires grad to the eager backend under "auto"; this module
 """
 
 import math
-import re
 
 import torch
 
+from .custom_ops import op_name
 from .float32_matmul import float32_baddbmm_
 
 # Scores per tile (1 MiB of float32): small enough for the cache, large enough to amortise per-call overhead
@@ -346,15 +346,9 @@ def _backward(tiling, out, lse, own_weight, grad_out):
     return grad_q, grad_k, grad_v
 
 
-def _op_name(name):
-    """A custom-op name unique to this module's import path: a checkpoint's remote-code copy of this file
-    registers its own ops beside the installed plugin's."""
-    return "plat::" + re.sub(r"\W", "_", __name__) + "_" + name
-
-
 # Custom ops, so that torch.compile and torch.export trace through the backend as one opaque node each way,
 # whatever Python loops run inside (their fake versions give only the shapes).
-@torch.library.custom_op(_op_name("forward"), mutates_args=())
+@torch.library.custom_op(op_name(__name__, "forward"), mutates_args=())
 def _forward_op(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -381,7 +375,7 @@ def _(query, key, value, bias, document_ids, exponents, is_causal, eps, euler, b
     return query.new_empty(query.shape[:3] + value.shape[-1:]), lse, lse.new_empty(lse.shape if euler else (0,))
 
 
-@torch.library.custom_op(_op_name("backward"), mutates_args=())
+@torch.library.custom_op(op_name(__name__, "backward"), mutates_args=())
 def _backward_op(
     grad_out: torch.Tensor,
     query: torch.Tensor,

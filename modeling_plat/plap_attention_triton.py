@@ -48,6 +48,8 @@ from typing import NamedTuple
 
 import torch
 
+from .custom_ops import op_name
+
 try:
     import triton
     import triton.language as tl
@@ -879,42 +881,104 @@ def document_table(document_ids):
     return torch.empty_like(table).scatter_(1, order[..., None].expand_as(table), table).to(torch.int32)
 
 
-class _PlapAttentionTriton(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, query, key, value, key_keep, documents, p, is_causal, eps, euler, config):
-        batch, heads, num_queries, _ = query.shape
-        out = query.new_empty(batch, heads, num_queries, value.shape[-1])  # (B, H, Nq, dv)
-        lse = torch.empty(batch, heads, num_queries, device=query.device, dtype=torch.float32)
-        own_weight = torch.empty_like(lse) if euler else lse  # written by euler only
-        sq_norms = value.float().square().sum(-1)  # (B, H, Nk)
-        for launch in forward_launches(
-            query, key, value, sq_norms, key_keep, documents, out, lse, own_weight, p, is_causal, eps, euler, config
-        ):  # fmt: skip
-            _run(launch, query, value)
-        ctx.save_for_backward(query, key, value, sq_norms, key_keep, documents, out, lse, own_weight)
-        ctx.args = (p, is_causal, eps, euler, config)
-        return out
+def _flat(config):
+    """A LaunchConfig as the list of ints a custom op takes."""
+    return [number for kernel in config for number in kernel]
 
-    @staticmethod
-    def backward(ctx, grad_out):
-        query, key, value, sq_norms, key_keep, documents, out, lse, own_weight = ctx.saved_tensors
-        p, is_causal, eps, euler, config = ctx.args
-        num_queries, num_keys = query.shape[2], key.shape[2]
-        grad_out = grad_out.contiguous()
-        grad_f32 = grad_out.float()
-        # FlashAttention's D = rowsum(dU * U); euler subtracts the own-value part dU . v_x.
-        own_dot = (grad_f32 * value[:, :, num_keys - num_queries :].float()).sum(-1)  # (B, H, Nq)
-        delta = (grad_f32 * out.float()).sum(-1) - (own_dot if euler else 0)
-        grad_q = torch.empty(query.shape, device=query.device, dtype=torch.float32)
-        grad_k = torch.empty(key.shape, device=query.device, dtype=torch.float32)
-        grad_v = torch.empty(value.shape, device=query.device, dtype=torch.float32)
-        for launch in backward_launches(
-            query, key, value, sq_norms, key_keep, documents, grad_out, lse, delta, own_dot, own_weight, grad_q,
-            grad_k, grad_v, p, is_causal, eps, euler, config,
-        ):  # fmt: skip
-            _run(launch, query, value)
-        grads = (grad_q.to(query.dtype), grad_k.to(key.dtype), grad_v.to(value.dtype))
-        return *grads, None, None, None, None, None, None, None
+
+def _unflat(numbers):
+    return _config(numbers[0:4], numbers[4:8], numbers[8:12])
+
+
+# Custom ops, so that torch.compile and torch.export trace through the kernels as one opaque node each way
+# (their fake versions give only the shapes). The forward returns what the backward needs.
+@torch.library.custom_op(op_name(__name__, "forward"), mutates_args=())
+def _forward_op(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_keep: torch.Tensor | None,
+    documents: torch.Tensor | None,
+    p: list[float],
+    is_causal: bool,
+    eps: float,
+    euler: bool,
+    config: list[int],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    batch, heads, num_queries, _ = query.shape
+    out = query.new_empty(batch, heads, num_queries, value.shape[-1])  # (B, H, Nq, dv)
+    lse = torch.empty(batch, heads, num_queries, device=query.device, dtype=torch.float32)
+    own_weight = torch.empty_like(lse) if euler else lse.new_empty(0)  # written by euler only
+    sq_norms = value.float().square().sum(-1)  # (B, H, Nk)
+    for launch in forward_launches(
+        query, key, value, sq_norms, key_keep, documents, out, lse, own_weight if euler else lse, tuple(p),
+        is_causal, eps, euler, _unflat(config),
+    ):  # fmt: skip
+        _run(launch, query, value)
+    return out, lse, own_weight, sq_norms
+
+
+@_forward_op.register_fake
+def _(query, key, value, key_keep, documents, p, is_causal, eps, euler, config):
+    batch, heads, num_queries, _ = query.shape
+    lse = query.new_empty(batch, heads, num_queries, dtype=torch.float32)
+    return (query.new_empty(batch, heads, num_queries, value.shape[-1]), lse,
+            lse.new_empty(lse.shape if euler else (0,)), lse.new_empty(value.shape[:3]))  # fmt: skip
+
+
+@torch.library.custom_op(op_name(__name__, "backward"), mutates_args=())
+def _backward_op(
+    grad_out: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_keep: torch.Tensor | None,
+    documents: torch.Tensor | None,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    own_weight: torch.Tensor,
+    sq_norms: torch.Tensor,
+    p: list[float],
+    is_causal: bool,
+    eps: float,
+    euler: bool,
+    config: list[int],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    num_queries, num_keys = query.shape[2], key.shape[2]
+    grad_out = grad_out.contiguous()
+    grad_f32 = grad_out.float()
+    # FlashAttention's D = rowsum(dU * U); euler subtracts the own-value part dU . v_x.
+    own_dot = (grad_f32 * value[:, :, num_keys - num_queries :].float()).sum(-1)  # (B, H, Nq)
+    delta = (grad_f32 * out.float()).sum(-1) - (own_dot if euler else 0)
+    grad_q = torch.empty(query.shape, device=query.device, dtype=torch.float32)
+    grad_k = torch.empty(key.shape, device=query.device, dtype=torch.float32)
+    grad_v = torch.empty(value.shape, device=query.device, dtype=torch.float32)
+    for launch in backward_launches(
+        query, key, value, sq_norms, key_keep, documents, grad_out, lse, delta, own_dot,
+        own_weight if euler else lse, grad_q, grad_k, grad_v, tuple(p), is_causal, eps, euler, _unflat(config),
+    ):  # fmt: skip
+        _run(launch, query, value)
+    return grad_q.to(query.dtype), grad_k.to(key.dtype), grad_v.to(value.dtype)
+
+
+@_backward_op.register_fake
+def _(grad_out, query, key, value, key_keep, documents, out, lse, own_weight, sq_norms, p, is_causal, eps, euler,
+      config):  # fmt: skip
+    return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
+
+
+def _setup_context(ctx, inputs, output):
+    query, key, value, key_keep, documents, *ctx.args = inputs
+    out, lse, own_weight, sq_norms = output
+    ctx.save_for_backward(query, key, value, key_keep, documents, out, lse, own_weight, sq_norms)
+
+
+def _backward_of_forward(ctx, grad_out, grad_lse, grad_own_weight, grad_sq_norms):
+    grads = _backward_op(grad_out, *ctx.saved_tensors, *ctx.args)
+    return *grads, None, None, None, None, None, None, None
+
+
+_forward_op.register_autograd(_backward_of_forward, setup_context=_setup_context)
 
 
 def plap_attention_triton(
@@ -949,5 +1013,6 @@ def plap_attention_triton(
         key_keep = key_keep.to(torch.int8).contiguous()  # (B, Nk)
     documents = None if document_ids is None else document_table(document_ids)
     query, key, value = (tensor.contiguous() for tensor in (query, key, value))  # offsets follow from shapes
-    return _PlapAttentionTriton.apply(query, key, value, key_keep, documents, p, is_causal, eps, formulation == "euler",
-                                      config)  # fmt: skip
+    out, _, _, _ = _forward_op(query, key, value, key_keep, documents, list(p), is_causal, float(eps),
+                               formulation == "euler", _flat(config))  # fmt: skip
+    return out

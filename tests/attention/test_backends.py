@@ -315,7 +315,7 @@ def test_triton_module_imports_without_triton(monkeypatch):
         return real_import(name, *args, **kwargs)
 
     monkeypatch.setattr(builtins, "__import__", no_triton)
-    spec = importlib.util.spec_from_file_location("plap_attention_triton_without", triton_module.__file__)
+    spec = importlib.util.spec_from_file_location("modeling_plat.plap_attention_triton_without", triton_module.__file__)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     assert module.triton is None

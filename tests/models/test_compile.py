@@ -1,6 +1,8 @@
 """torch.compile, torch.export and ONNX see the whole model: no graph break in any layer, fullgraph forward and
 backward equal eager, exported programs with dynamic batch and length equal eager at other shapes."""
 
+import importlib
+
 import pytest
 import torch
 from tiny import TEXT_SHAPES, lm
@@ -16,9 +18,15 @@ def training_step(model):
     return step
 
 
-@pytest.mark.parametrize("backend", ["auto", "eager", "tiled"])
+def requires(backend):
+    if backend == "triton":  # the fused kernels, run by the Triton interpreter on CPU (tests/conftest.py)
+        pytest.importorskip("triton")
+
+
+@pytest.mark.parametrize("backend", ["auto", "eager", "tiled", "triton"])
 @pytest.mark.parametrize("shape", TEXT_SHAPES)
 def test_no_graph_break_in_a_training_step(shape, backend):
+    requires(backend)
     model = lm(**TEXT_SHAPES[shape], plap_p=P_MIX, plap_backend=backend, use_cache=False).train()
     torch._dynamo.reset()
     explained = torch._dynamo.explain(training_step(model))(torch.randint(2, 61, (2, 12)))
@@ -26,9 +34,10 @@ def test_no_graph_break_in_a_training_step(shape, backend):
     assert explained.graph_count == 1
 
 
-@pytest.mark.parametrize("backend", ["eager", "tiled"])
+@pytest.mark.parametrize("backend", ["eager", "tiled", "triton"])
 @pytest.mark.parametrize("shape", TEXT_SHAPES)
 def test_fullgraph_forward_and_backward_equal_eager(shape, backend):
+    requires(backend)
     model = lm(**TEXT_SHAPES[shape], plap_p=P_MIX, plap_backend=backend, use_cache=False).train()
     model.config.hidden_dropout_prob = 0.0
     for module in model.modules():
@@ -108,3 +117,19 @@ def test_compiled_decoding_with_the_cache_compiles_three_graphs(layers):
         tokens = model.generate(prompt, **generate)
     assert torch.equal(tokens, expected)
     assert len(graphs) == 3
+
+
+@pytest.mark.parametrize("backend", ["tiled", "triton"])
+@pytest.mark.parametrize("euler", [False, True], ids=["paper", "euler"])
+def test_fused_backends_custom_ops_pass_opcheck(backend, euler):
+    """torch.library's own checks of the ops that compile and export see: schema, fake shapes, autograd."""
+    requires(backend)
+    module = importlib.import_module(f"modeling_plat.plap_attention_{backend}")
+    generator = torch.Generator().manual_seed(0)
+    query, key, value = (torch.randn(2, 3, 9, 8, generator=generator, requires_grad=True) for _ in range(3))
+    if backend == "tiled":
+        args = (query, key, value, None, None, [-0.25, 0.25, -0.25], True, 1e-6, euler, None)
+    else:
+        args = (query, key, value, None, None, [1.5, 2.5, 1.5], True, 1e-6, euler,
+                module._flat(module.INTERPRETER_CONFIG))  # fmt: skip
+    torch.library.opcheck(module._forward_op, args)
