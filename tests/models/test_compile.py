@@ -82,15 +82,18 @@ def test_export_with_dynamic_batch_and_length(shape, backend):
         torch.testing.assert_close(program.module()(input_ids=other).logits, model(other).logits)
 
 
-def test_onnx_export_runs_in_onnxruntime(tmp_path):
+@pytest.mark.parametrize("shape", TEXT_SHAPES)
+def test_onnx_export_runs_in_onnxruntime(tmp_path, shape):
     onnxruntime = pytest.importorskip("onnxruntime")
     pytest.importorskip("onnxscript")
-    model = lm(plap_p=P_MIX, use_cache=False)
+    model = lm(**TEXT_SHAPES[shape], plap_p=P_MIX, use_cache=False)
     batch, length = torch.export.Dim("batch", min=1, max=64), torch.export.Dim("length", min=2, max=40)
     path = tmp_path / "plat.onnx"
     torch.onnx.export(model, (), path, kwargs={"input_ids": torch.randint(2, 61, (2, 12))}, dynamo=True,
                       dynamic_shapes={"input_ids": {0: batch, 1: length}}, output_names=["logits"])  # fmt: skip
-    other = torch.randint(2, 61, (3, 17))
+    # No token twice in a row: under rotary positions two equal tokens have equal first-layer values, and at
+    # D2 ~ 0 the paper formulation's power turns float rounding into ~1e-3 differences (docs/models.md).
+    other = torch.stack([torch.randperm(59, generator=torch.Generator().manual_seed(row))[:17] + 2 for row in range(3)])
     session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     (logits, *_) = session.run(["logits"], {session.get_inputs()[0].name: other.numpy()})
     with torch.no_grad():
