@@ -118,19 +118,32 @@ def tiny_text_job(folder):
             "--report_to", "none", "--output_dir", folder / "out"]
 
 
-def assert_refused(command, folder, message):
-    completed = subprocess.run([*command, *map(str, tiny_text_job(folder))], cwd=ROOT, env=ENV, capture_output=True,
-                               text=True, timeout=300)
+def tiny_image_job(folder):
+    """Arguments of a run_image_classification.py job on a few images, without --use_cpu."""
+    return ["--train_dir", write_square_images(folder / "train", 2, 0), "--config_name", "plat-deit-tiny",
+            "--config_overrides", "hidden_size=32,num_hidden_layers=2,num_attention_heads=2,intermediate_size=64,"
+            "plap_p=[1.5,2.5],image_size=16,patch_size=4", "--do_train", "--max_steps", 2, "--report_to", "none",
+            "--output_dir", folder / "out"]  # fmt: skip
+
+
+JOBS = {"run_clm.py": tiny_text_job, "run_image_classification.py": tiny_image_job}
+
+
+def assert_refused(command, script, folder, message):
+    """``command`` launching ``script`` (a key of JOBS) on its tiny job stops with ``message`` before any output."""
+    completed = subprocess.run([*command, str(ROOT / script), *map(str, JOBS[script](folder))], cwd=ROOT, env=ENV,
+                               capture_output=True, text=True, timeout=300)  # fmt: skip
     assert completed.returncode != 0
     assert message in completed.stderr, completed.stderr[-3000:]
     assert not (folder / "out").exists()  # refused before anything was trained or written
 
 
+# Both jobs run the same launch check: one refusal each keeps the suite short.
 @without_gpu
 def test_two_processes_without_use_cpu_refuse_before_training(tmp_path):
     """cpu-2-processes.yaml without --use_cpu would start two unsynchronised trainings that both think they are
     rank 0."""
-    assert_refused([*two_processes("accelerate"), str(ROOT / "run_clm.py")], tmp_path, "pass --use_cpu")
+    assert_refused(two_processes("accelerate"), "run_image_classification.py", tmp_path, "pass --use_cpu")
 
 
 @without_gpu
@@ -138,8 +151,8 @@ def test_multi_gpu_config_refuses_on_a_machine_without_a_gpu(tmp_path):
     # Two processes instead of the config's eight keep the test quick; the refusal does not depend on the count.
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
                str(ACCELERATE_CONFIGS / "multi-gpu.yaml"), "--num_processes", "2", "--main_process_port",
-               str(free_port()), str(ROOT / "run_clm.py")]
-    assert_refused(command, tmp_path, "this machine has no GPU")
+               str(free_port())]
+    assert_refused(command, "run_clm.py", tmp_path, "this machine has no GPU")
 
 
 def test_more_processes_than_gpus_on_a_machine_are_refused(monkeypatch, tmp_path):
