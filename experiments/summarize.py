@@ -15,6 +15,7 @@ a section whose models are not measured keeps the table of the diagnostics.json 
 """
 
 import argparse
+import collections
 import json
 import math
 from pathlib import Path
@@ -209,7 +210,8 @@ def progress_line(done, what="the protocol"):
         return f"All {done['planned']} cells of {what} finished."
     return (f"**Incomplete: {done['finished']} of {done['planned']} cells finished.** The intervals and p-values "
             f"below come from the finished cells only and will move as the rest finish. Missing: "
-            + ", ".join(f"`{name}`" for name in done["missing"]) + ".")
+            + ", ".join(f"`{name}`" if count == 1 else f"{count} x `{name}`"
+                        for name, count in collections.Counter(done["missing"]).items()) + ".")
 
 
 def selection_rows(selection, digits, first=()):
