@@ -96,12 +96,12 @@ def main(argv=None):
                 return
         parser.error(f"no configuration named {args.name!r}")
     for name in preset_names("model config"):
-        print(f"{name:28s} model config       {describe(CONFIGURATION_DIR / 'models' / f'{name}.json')}")
+        print(f"{name:32s} model config       {describe(CONFIGURATION_DIR / 'models' / f'{name}.json')}")
     for kind in ("training recipe", "accelerate config", "image processor"):
         folder, suffix = KINDS[kind]
         for name in preset_names(kind):
             shown = f"{name}.yaml" if kind == "training recipe" else f"{folder}/{name}"
-            print(f"{shown:28s} {kind}")
+            print(f"{shown:32s} {kind}")
 
 
 if __name__ == "__main__":
