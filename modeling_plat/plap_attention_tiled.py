@@ -40,7 +40,7 @@ import math
 
 import torch
 
-from .custom_ops import op_name
+from .custom_ops import op_name, register_backward
 from .float32_matmul import float32_baddbmm_
 
 # Scores per tile (1 MiB of float32): small enough for the cache, large enough to amortise per-call overhead
@@ -381,11 +381,11 @@ def _backward_op(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
+    bias: torch.Tensor | None,
+    document_ids: torch.Tensor | None,
     out: torch.Tensor,
     lse: torch.Tensor,
     own_weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    document_ids: torch.Tensor | None,
     exponents: list[float],
     is_causal: bool,
     eps: float,
@@ -400,23 +400,11 @@ def _backward_op(
 
 
 @_backward_op.register_fake
-def _(grad_out, query, key, value, out, lse, own_weight, bias, document_ids, exponents, is_causal, eps, euler, blocks):
+def _(grad_out, query, key, value, bias, document_ids, out, lse, own_weight, exponents, is_causal, eps, euler, blocks):
     return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
 
 
-def _setup_context(ctx, inputs, output):
-    query, key, value, bias, document_ids, *ctx.args = inputs
-    out, lse, own_weight = output
-    ctx.save_for_backward(query, key, value, out, lse, own_weight, bias, document_ids)
-
-
-def _backward_of_forward(ctx, grad_out, grad_lse, grad_own_weight):
-    query, key, value, out, lse, own_weight, bias, document_ids = ctx.saved_tensors
-    grads = _backward_op(grad_out, query, key, value, out, lse, own_weight, bias, document_ids, *ctx.args)
-    return *grads, None, None, None, None, None, None, None
-
-
-_forward_op.register_autograd(_backward_of_forward, setup_context=_setup_context)
+register_backward(_forward_op, _backward_op)
 
 
 def plap_attention_tiled(

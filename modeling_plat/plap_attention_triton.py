@@ -48,7 +48,7 @@ from typing import NamedTuple
 
 import torch
 
-from .custom_ops import op_name
+from .custom_ops import op_name, register_backward
 
 try:
     import triton
@@ -967,18 +967,7 @@ def _(grad_out, query, key, value, key_keep, documents, out, lse, own_weight, sq
     return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
 
 
-def _setup_context(ctx, inputs, output):
-    query, key, value, key_keep, documents, *ctx.args = inputs
-    out, lse, own_weight, sq_norms = output
-    ctx.save_for_backward(query, key, value, key_keep, documents, out, lse, own_weight, sq_norms)
-
-
-def _backward_of_forward(ctx, grad_out, grad_lse, grad_own_weight, grad_sq_norms):
-    grads = _backward_op(grad_out, *ctx.saved_tensors, *ctx.args)
-    return *grads, None, None, None, None, None, None, None
-
-
-_forward_op.register_autograd(_backward_of_forward, setup_context=_setup_context)
+register_backward(_forward_op, _backward_op)
 
 
 def plap_attention_triton(
