@@ -115,13 +115,9 @@ def _config(fwd, dkdv, dq):
     return LaunchConfig(KernelConfig(*fwd), KernelConfig(*dkdv), KernelConfig(*dq))
 
 
-# LaunchConfigs by GPU generation (compute capability major: 8, Ampere and Ada, one table that fits the
-# 99 KB of sm_86 and sm_89; 9, Hopper), input kind and padded head size (the larger of BLOCK_D and BLOCK_DV).
-# Each kernel holds its own block as the left operand of its matmuls and loops over blocks of the other
-# side: the larger that loop's block, the more registers its right operands take in every warp. Chosen as
-# the largest tiles whose compiled kernels spill no registers (or a few dozen bytes) and fit the shared
-# memory, as tests/attention/test_triton_compile.py prints them; between those, the fewest instructions per score in
-# benchmarks/gpu_static_cost.py. GPU timings may refine them. Larger heads run tiled.
+# LaunchConfigs by GPU generation (8: Ampere and Ada, sized for sm_86/sm_89's 99 KB; 9: Hopper), input kind and
+# padded head size: `pytest tests/attention/test_triton_compile.py -s` and `python benchmarks/gpu_static_cost.py`
+# re-derive them (how: docs/performance.md, "Launch configurations"). Larger heads run tiled.
 CONFIGS = {
     (8, "half"): {
         16: _config((128, 64, 8, 2), (32, 128, 8, 2), (128, 32, 8, 2)),
