@@ -1,11 +1,14 @@
-"""Greedy decoding with the KV cache: p-LaT against transformers' GPT-2 (SDPA) of the same sizes.
+"""Greedy decoding with the KV cache: p-LaT against transformers' own model of the same shape and sizes (SDPA).
 
-The plat-ptb-tiny sizes (4 layers x 128, 8 heads, p = 4 x 1.5 + 4 x 2.5, 10k vocabulary, 256 positions) and its
-p = 2 twin, against GPT2LMHeadModel with SDPA attention; a 16-token prompt and --new_tokens greedy tokens (no early
-stop), batch 1 and 8. Each repeat runs every model once, in a rotating order (interleaved pairs); the printed
-ratio is GPT-2's tokens/s over each model's, medians over the repeats, beside the machine it was measured on.
+``--shape gpt2`` (default): the plat-ptb-tiny sizes (4 layers x 128, 8 heads, p = 4 x 1.5 + 4 x 2.5, 10k
+vocabulary, 256 positions) and its p = 2 twin, against GPT2LMHeadModel. ``--shape llama``: the plat-llama-tiny
+sizes (8 query heads over 4 key/value heads, rotary positions, RMSNorm, SwiGLU 352, no biases) and its twin,
+against LlamaForCausalLM. A 16-token prompt and --new_tokens greedy tokens (no early stop), batch 1 and 8. Each
+repeat runs every model once, in a rotating order (interleaved pairs); the printed ratio is the transformers
+model's tokens/s over each model's, medians over the repeats, beside the machine it was measured on.
 
     python benchmarks/bench_decode.py --repeats 7
+    python benchmarks/bench_decode.py --shape llama --repeats 7
 """
 
 import argparse
@@ -14,22 +17,32 @@ import statistics
 import time
 
 import torch
-from transformers import AutoModelForCausalLM, GPT2Config
+from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
 
 from machine import facts_label, machine_facts
 from modeling_plat import PlatConfig, PlatForCausalLM
 
-SIZES = dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=8, intermediate_size=512)
+COMMON = dict(vocab_size=10000, hidden_size=128, num_hidden_layers=4, num_attention_heads=8,
+              max_position_embeddings=256, bos_token_id=0, eos_token_id=0)  # fmt: skip
+LLAMA = dict(num_key_value_heads=4, intermediate_size=352, hidden_act="silu", rms_norm_eps=1e-5, tie_word_embeddings=True,
+             rope_parameters={"rope_type": "default", "rope_theta": 10000.0})  # fmt: skip
+BASELINE = "transformers-sdpa"
 
 
-def models():
-    plat = dict(**SIZES, vocab_size=10000, max_position_embeddings=256, hidden_dropout_prob=0.0)
-    gpt2 = GPT2Config(vocab_size=10000, n_embd=128, n_layer=4, n_head=8, n_inner=512, n_positions=256,
-                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)  # fmt: skip
+def models(shape):
+    """{name: model}: the p-LaT model, its p = 2 twin and transformers' model of the same sizes (BASELINE)."""
+    if shape == "gpt2":
+        plat = dict(**COMMON, intermediate_size=512, hidden_dropout_prob=0.0)
+        baseline = GPT2Config(vocab_size=10000, n_embd=128, n_layer=4, n_head=8, n_inner=512, n_positions=256,
+                              resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)  # fmt: skip
+    else:
+        plat = dict(**COMMON, **LLAMA, position_embedding_type="rope", norm_type="rmsnorm", mlp_type="gated",
+                    attention_bias=False, mlp_bias=False, hidden_dropout_prob=0.0)  # fmt: skip
+        baseline = LlamaConfig(**COMMON, **LLAMA)
     built = {
-        "plat-ptb-tiny": PlatForCausalLM(PlatConfig(**plat, plap_p=[1.5] * 4 + [2.5] * 4)),
-        "softmax-ptb-tiny": PlatForCausalLM(PlatConfig(**plat, plap_p=2.0)),
-        "gpt2-sdpa": AutoModelForCausalLM.from_config(gpt2, attn_implementation="sdpa"),
+        f"plat-{shape}": PlatForCausalLM(PlatConfig(**plat, plap_p=[1.5] * 4 + [2.5] * 4)),
+        f"softmax-{shape}": PlatForCausalLM(PlatConfig(**plat, plap_p=2.0)),
+        BASELINE: AutoModelForCausalLM.from_config(baseline, attn_implementation="sdpa"),
     }
     return {name: model.eval() for name, model in built.items()}
 
@@ -44,6 +57,7 @@ def decode_seconds(model, prompt, new_tokens):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shape", choices=["gpt2", "llama"], default="gpt2")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--new_tokens", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=7)
@@ -54,7 +68,7 @@ def main():
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     label = facts_label(machine_facts(torch.device("cpu")))
-    built = models()
+    built = models(args.shape)
     names = list(built)
     results = {}
     for batch in args.batches:
@@ -65,15 +79,15 @@ def main():
         for repeat in range(args.repeats):
             for name in names[repeat % len(names):] + names[: repeat % len(names)]:
                 times[name].append(decode_seconds(built[name], prompt, args.new_tokens))
-        baseline = statistics.median(times["gpt2-sdpa"])
+        baseline = statistics.median(times[BASELINE])
         for name in names:
             median = statistics.median(times[name])
             results[f"{name}/batch{batch}"] = dict(seconds=median, ratio=median / baseline,
                                                    tokens_per_s=batch * args.new_tokens / median)  # fmt: skip
             print(f"batch {batch:<3} {name:<18} {batch * args.new_tokens / median:8.0f} tokens/s   "
-                  f"gpt2-sdpa / this {median / baseline:5.2f}   {label}")  # fmt: skip
+                  f"{BASELINE} / this {median / baseline:5.2f}   {label}")  # fmt: skip
     if args.json:
-        print(json.dumps(dict(machine=label, new_tokens=args.new_tokens, results=results)))
+        print(json.dumps(dict(machine=label, shape=args.shape, new_tokens=args.new_tokens, results=results)))
 
 
 if __name__ == "__main__":
