@@ -135,7 +135,7 @@ def test_float16_with_large_p_goes_to_tiled(gpu):
 
 
 @pytest.mark.skipif(not triton_module.INTERPRETED, reason="launches the kernels under the interpreter")
-def test_the_float16_limit_on_p_is_real(monkeypatch):
+def test_the_float16_limit_on_p_is_real():
     """p = 5, uniform attention over 127 equal values and one at distance 45: P = 45^3 = 91,125 passes float16's
     65,504 inside the kernels although every output (at most 91,125 * 45 / 128) fits."""
     q = torch.zeros(1, 1, 128, 16, dtype=torch.float16)
@@ -144,9 +144,7 @@ def test_the_float16_limit_on_p_is_real(monkeypatch):
     p = torch.tensor([5.0])
     reference = plap_attention(q.double(), q.double(), v.double(), p, backend="eager")
     assert reference.abs().max() < torch.finfo(torch.float16).max
-    with monkeypatch.context() as unchecked:
-        unchecked.setattr(triton_module, "FLOAT16_MAX_P", float("inf"))
-        assert not torch.isfinite(triton_module.plap_attention_triton(q, q, v, p=(5.0,))).all()
+    assert not torch.isfinite(triton_module.plap_attention_triton(q, q, v, p=(5.0,))).all()  # a direct call is unchecked
     torch.testing.assert_close(plap_attention(q, q, v, p, backend="tiled").double(), reference, rtol=2e-3, atol=1e-3)
     with pytest.raises(ValueError, match="float16 with p = 5"):
         plap_attention(q, q, v, p, backend="triton")
@@ -184,13 +182,3 @@ def test_a_launch_failure_names_the_configuration(monkeypatch):
                  "plap_backend='tiled'"):  # fmt: skip
         assert part in message
     assert isinstance(failure.value.__cause__, OutOfResources)
-
-
-def test_packed_rows_of_a_direct_call_are_checked():
-    """The dispatcher checks document_ids first; a direct call of the backend gets the reason, not a wrong read."""
-    q = torch.zeros(1, 2, 8, 16)
-    kv = torch.zeros(1, 2, 12, 16)
-    with pytest.raises(ValueError, match="as many queries as keys"):
-        triton_module.plap_attention_triton(q, kv, kv, p=(1.5, 1.5), document_ids=torch.zeros(1, 12, dtype=torch.long))
-    with pytest.raises(ValueError, match="got ids of shape \\(1, 7\\)"):
-        triton_module.plap_attention_triton(q, q, q, p=(1.5, 1.5), document_ids=torch.zeros(1, 7, dtype=torch.long))
