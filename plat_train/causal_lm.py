@@ -34,8 +34,8 @@ from .runs import (
     detect_last_checkpoint,
     evaluation_splits,
     explain_offline_errors,
+    publish,
     record_metrics,
-    release_process_group,
     setup_logging,
 )
 from .text_data import (
@@ -296,12 +296,7 @@ def main(args=None):
         trainer.save_state()
     if eval_blocks:
         evaluate_splits(trainer, eval_blocks, eval_splits, tokenized, data_args, block_size)
-    card = model_card_fields(model_args, data_args)
-    if training_args.push_to_hub:
-        trainer.push_to_hub(**card)
-    else:
-        trainer.create_model_card(**card)
-    release_process_group()
+    publish(trainer, model_card_fields(model_args, data_args), training_args.push_to_hub)
 
 
 if __name__ == "__main__":

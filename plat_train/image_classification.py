@@ -37,8 +37,8 @@ from .runs import (
     detect_last_checkpoint,
     evaluation_splits,
     explain_offline_errors,
+    publish,
     record_metrics,
-    release_process_group,
     setup_logging,
 )
 from .trainers import ImageClassificationTrainer
@@ -314,12 +314,7 @@ def main(args=None):
             if training_args.do_train:
                 trainer.save_model(os.path.join(training_args.output_dir, "ema"))
             ema.swap_into(trainer.model)
-    card = model_card_fields(model_args, data_args)
-    if training_args.push_to_hub:
-        trainer.push_to_hub(**card)
-    else:
-        trainer.create_model_card(**card)
-    release_process_group()
+    publish(trainer, model_card_fields(model_args, data_args), training_args.push_to_hub)
 
 
 if __name__ == "__main__":

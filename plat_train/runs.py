@@ -175,6 +175,15 @@ def record_metrics(trainer, split, metrics):
     trainer.save_metrics(split, metrics)
 
 
+def publish(trainer, card, push_to_hub):
+    """Push the output folder to the Hub with its model card, or write the card locally; then end the job."""
+    if push_to_hub:
+        trainer.push_to_hub(**card)
+    else:
+        trainer.create_model_card(**card)
+    release_process_group()
+
+
 def release_process_group():
     """End a distributed job that succeeded: every process waits for the others, then leaves without the
     interpreter's teardown.
