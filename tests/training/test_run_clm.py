@@ -454,13 +454,12 @@ def test_torch_compile_trains_and_saves_plain_weights(text_files, tmp_path):
 
 
 def test_llama_twin_recipes_run_by_name_and_differ_from_the_main_job_only_in_shape(tmp_path):
-    """plat-llama-tiny / softmax-llama-tiny: the main job's size and budget; the twins differ only in p and the
-    softmax learning rate. The plat recipe runs by name, shortened by flags after it."""
+    """plat-llama-tiny / softmax-llama-tiny: the main job's size and budget; the twins differ only in p (their
+    learning rates: test_configuration.py). The plat recipe runs by name, shortened by flags after it."""
     recipes = {name: yaml.safe_load((ROOT / "configuration" / "recipes" / f"{name}.yaml").read_text())
                for name in ("plat-ptb-tiny", "plat-llama-tiny", "softmax-llama-tiny")}
     same = lambda recipe: {k: v for k, v in recipe.items() if k not in ("config_name", "output_dir", "learning_rate")}
     assert same(recipes["plat-llama-tiny"]) == same(recipes["softmax-llama-tiny"]) == same(recipes["plat-ptb-tiny"])
-    assert recipes["softmax-llama-tiny"]["learning_rate"] == 1e-3
     plat, softmax = (json.loads((ROOT / "configuration" / "models" / f"{name}.json").read_text())
                      for name in ("plat-llama-tiny", "softmax-llama-tiny"))
     assert {k: v for k, v in plat.items() if k != "plap_p"} == {k: v for k, v in softmax.items() if k != "plap_p"}
