@@ -27,6 +27,21 @@ from protocol import BASELINE, COMPARISONS, CONTRASTS, TASKS, VARIANTS
 REPO = protocol.REPO
 COLORS = dict(zip(VARIANTS, ("tab:gray", "tab:red", "tab:blue", "tab:green", "tab:purple", "tab:orange")))
 
+# Not tests of the protocol: where the factorial's interaction is large its main effects average two different
+# effects, so the summary also shows each factor's effect at either level of the other. Exploratory, outside the
+# Holm family, and reported with unadjusted p-values.
+SIMPLE_EFFECTS = (
+    protocol.Contrast("self_weight_alone", "ptb", (("softmax_selfweight", 1), ("softmax", -1)),
+                      "the self-weight added to softmax attention"),
+    protocol.Contrast("self_weight_with_p_weighting", "ptb", (("paper_mix", 1), ("paper_mix_noself", -1)),
+                      "the self-weight added to the p-Laplacian weighting (eq. 12 against its self-weight-free form)"),
+    protocol.Contrast("p_weighting_alone", "ptb", (("paper_mix_noself", 1), ("softmax", -1)),
+                      "the p-Laplacian weighting of the other tokens added to softmax attention"),
+    protocol.Contrast("p_weighting_with_self_weight", "ptb", (("paper_mix", 1), ("softmax_selfweight", -1)),
+                      "the p-Laplacian weighting added to the self-weighted softmax (eq. 12 against the self-weight "
+                      "alone)"),
+)
+
 
 def read_records(runs_dir, task):
     """Every finished cell of ``task``: its record plus the training log of its trainer_state.json."""
@@ -136,11 +151,11 @@ def gap_along_training(task, cells, variant="paper_mix", reference=BASELINE):
     return gaps
 
 
-def contrasts(task, cells):
-    """Each of the amendment's contrasts on ``task`` over the seeds that every one of its arms has (none below 2)."""
+def contrasts(task, cells, family=CONTRASTS):
+    """Each contrast of ``family`` on ``task`` over the seeds that every one of its arms has (none below 2)."""
     spec = TASKS[task]
     found = []
-    for contrast in CONTRASTS:
+    for contrast in family:
         if contrast.task != task:
             continue
         seeds = sorted(set.intersection(*(set(cells.get(variant, {})) for variant in contrast.variants())))
@@ -170,7 +185,7 @@ def amendment_summary(records_by_task):
     if not any(part_records(task, records_by_task[task], "amendment") for task in tasks):
         return None
     summary = {"tasks": tasks, "progress": {"planned": 0, "finished": 0, "missing": []}, "selection": {}, "arms": {},
-               "contrasts": [], "gaps": {}}
+               "contrasts": [], "simple_effects": [], "gaps": {}}
     for task in tasks:
         records = records_by_task[task]
         cells = study_cells(records)
@@ -182,6 +197,7 @@ def amendment_summary(records_by_task):
         summary["selection"][task] = selection_table(task, records, "amendment")
         summary["arms"][task] = arm_summary(task, {v: cells[v] for v in amendment_variants(task) if v in cells})
         summary["contrasts"] += contrasts(task, cells)
+        summary["simple_effects"] += contrasts(task, cells, SIMPLE_EFFECTS)
         if protocol.part_of(task, BASELINE) == "amendment":  # a task of the amendment's own: the gap along training
             summary["gaps"][task] = gap_along_training(task, cells)
     for row, adjusted in zip(summary["contrasts"], paired_stats.holm([row["p_value"] for row in summary["contrasts"]])):
@@ -270,6 +286,15 @@ def markdown(task, done, selection, arms, found, gaps):
     return "\n".join(lines)
 
 
+def contrast_row(row, holm):
+    """A contrast's table row: definition, mean with its interval, sign count, p (and Holm p), per-seed values."""
+    digits = _digits(row["task"])
+    per_seed = ", ".join(f"{seed}: {value:+.{digits}f}" for seed, value in zip(row["seeds"], row["values"]))
+    return (f"| {row['name']} | {row['task']} | {row['definition']} | {row['n']} | {row['mean']:+.{digits}f} | "
+            f"[{row['ci_low']:+.{digits}f}, {row['ci_high']:+.{digits}f}] | {row['negative']} / {row['positive']} | "
+            f"{_p(row['p_value'])} | " + (f"{_p(row['holm_p'])} | " if holm else "") + f"{per_seed} |")
+
+
 def amendment_markdown(summary):
     tasks = summary["tasks"]
     lines = ["## Amendment (2026-11-24): self-weight x p-weighting on PTB, and the Llama-shaped twin", "",
@@ -296,15 +321,17 @@ def amendment_markdown(summary):
               ("| contrast | task | definition | seeds | mean | 95% interval | below / above 0 | p | Holm p "
                "| per seed |"),
               "|---|---|---|---|---|---|---|---|---|---|"]
-    for row in summary["contrasts"]:
-        digits = _digits(row["task"])
-        per_seed = ", ".join(f"{seed}: {value:+.{digits}f}" for seed, value in zip(row["seeds"], row["values"]))
-        lines.append(f"| {row['name']} | {row['task']} | {row['definition']} | {row['n']} | "
-                     f"{row['mean']:+.{digits}f} | [{row['ci_low']:+.{digits}f}, {row['ci_high']:+.{digits}f}] | "
-                     f"{row['negative']} / {row['positive']} | {_p(row['p_value'])} | {_p(row['holm_p'])} | "
-                     f"{per_seed} |")
+    lines += [contrast_row(row, holm=True) for row in summary["contrasts"]]
     lines += ["", "What each contrast asks:", ""]
     lines += [f"- `{contrast.name}` ({contrast.task}): {contrast.question}." for contrast in CONTRASTS]
+    if summary["simple_effects"]:
+        lines += ["", ("Simple effects of the factorial: each factor at either level of the other, on the same "
+                       "seeds. Exploratory, not among the amendment's tests: no Holm correction, and a p-value here "
+                       "decides nothing."), "",
+                  "| effect | task | definition | seeds | mean | 95% interval | below / above 0 | p | per seed |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        lines += [contrast_row(row, holm=False) for row in summary["simple_effects"]]
+        lines += [""] + [f"- `{effect.name}` ({effect.task}): {effect.question}." for effect in SIMPLE_EFFECTS]
     for task, gaps in summary["gaps"].items():
         if gaps:
             lines += ["", f"{task}: " + gap_lines(task, gaps)[0]] + gap_lines(task, gaps)[1:]
@@ -388,14 +415,19 @@ def plot_amendment(summary, cells_by_task, results_dir):
         draw_curves(ax, task, cells, summary["arms"][task])
     paths = [_save(fig, Path(results_dir) / "amendment_learning_curves.png")]
 
-    rows = summary["contrasts"]
-    fig, ax = plt.subplots(figsize=(7, 1.2 + 0.9 * max(len(rows), 1)))
-    for i, row in enumerate(rows):
-        ax.errorbar([row["mean"]], [i], xerr=[[row["mean"] - row["ci_low"]], [row["ci_high"] - row["mean"]]],
-                    fmt="o", color="black", capsize=4)
-        ax.scatter(row["values"], [i] * row["n"], color="tab:red", s=14, alpha=0.6)
+    # The tests on top, then the exploratory simple effects in grey (top to bottom as in study.md).
+    rows = [(row, f"Holm p {_p(row['holm_p'])}", "black") for row in summary["contrasts"]]
+    rows += [(row, f"exploratory, p {_p(row['p_value'])}", "tab:gray") for row in summary["simple_effects"]]
+    fig, ax = plt.subplots(figsize=(7.5, 1.2 + 0.75 * max(len(rows), 1)))
+    for i, (row, _, color) in enumerate(rows):
+        y = len(rows) - 1 - i
+        ax.errorbar([row["mean"]], [y], xerr=[[row["mean"] - row["ci_low"]], [row["ci_high"] - row["mean"]]],
+                    fmt="o", color=color, capsize=4)
+        ax.scatter(row["values"], [y] * row["n"], color="tab:red", s=14, alpha=0.6)
     ax.axvline(0, color="grey", lw=0.8)
-    ax.set_yticks(range(len(rows)), [f"{r['name']} ({r['task']})\n(Holm p {_p(r['holm_p'])})" for r in rows],
+    if summary["simple_effects"]:
+        ax.axhline(len(summary["simple_effects"]) - 0.5, color="grey", lw=0.8, ls="--")
+    ax.set_yticks(range(len(rows))[::-1], [f"{row['name']} ({row['task']})\n({note})" for row, note, _ in rows],
                   fontsize=8)
     metrics = sorted({TASKS[task].primary for task in tasks})
     ax.set(xlabel=f"contrast in {', '.join(metrics)}", title="amendment's contrasts, 95% interval; dots: seeds")

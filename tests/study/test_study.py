@@ -310,6 +310,13 @@ HAND = {
     # paper_mix - softmax on the Llama-shaped model
     "llama_paper_mix_vs_softmax": [-10.0, -5.0, -5.0, -10.0, 3.0, -12.0],
 }
+# The exploratory simple effects, one difference of two arms each.
+HAND_SIMPLE = {
+    "self_weight_alone": [-30.0, -28.0, -30.0, -32.0, -26.0, -32.0],  # softmax_selfweight - softmax
+    "self_weight_with_p_weighting": [-30.0, -28.0, -29.0, -35.0, -24.0, -31.0],  # paper_mix - paper_mix_noself
+    "p_weighting_alone": [-10.0, -14.0, -10.0, -10.0, -13.0, -14.0],  # paper_mix_noself - softmax
+    "p_weighting_with_self_weight": [-10.0, -14.0, -9.0, -13.0, -11.0, -13.0],  # paper_mix - softmax_selfweight
+}
 
 
 def fake_study(runs_dir, tasks=("ptb", "ptb_llama"), parts=protocol.PARTS):
@@ -372,6 +379,18 @@ def test_contrasts_are_the_hand_computed_ones(tmp_path):
     for rank, name in enumerate(order):
         running = max(running, min(1.0, (4 - rank) * rows[name]["p_value"]))
         assert rows[name]["holm_p"] == pytest.approx(running)
+    # The simple effects: outside the family, unadjusted.
+    simple = {row["name"]: row for row in numbers["amendment"]["simple_effects"]}
+    assert list(simple) == list(HAND_SIMPLE)
+    for name, values in HAND_SIMPLE.items():
+        assert simple[name]["values"] == pytest.approx(values) and "holm_p" not in simple[name]
+        assert simple[name]["p_value"] == pytest.approx(stats.ttest_1samp(values, 0).pvalue)
+    # Each main effect is the mean of its two simple effects, the interaction their difference.
+    for seed in range(6):
+        assert rows["self_weight"]["values"][seed] == pytest.approx(
+            (HAND_SIMPLE["self_weight_alone"][seed] + HAND_SIMPLE["self_weight_with_p_weighting"][seed]) / 2)
+        assert rows["interaction"]["values"][seed] == pytest.approx(
+            HAND_SIMPLE["p_weighting_with_self_weight"][seed] - HAND_SIMPLE["p_weighting_alone"][seed])
     # The original family is untouched by the contrasts: its five PTB comparisons, Holm among themselves.
     original = numbers["ptb"]["comparisons"]
     assert len(original) == 5
@@ -400,6 +419,8 @@ def test_amendment_summary_writes_its_section_plots_and_records(tmp_path):
     assert "1: -30.0, 2: -28.0, 3: -29.5, 4: -33.5, 5: -25.0, 6: -31.5 |" in table
     assert "| interaction | ptb | paper_mix - paper_mix_noself - softmax_selfweight + softmax | 6 | +0.2 |" in table
     assert "| ptb_llama | paper_mix | 3e-3 | 6 |" in table
+    assert ("| p_weighting_with_self_weight | ptb | paper_mix - softmax_selfweight | 6 | -11.7 |") in table
+    assert "Exploratory, not among the amendment's tests" in table
     for name in ("amendment_learning_curves.png", "amendment_contrasts.png"):
         assert (results_dir / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"({name})" in table
     raw = json.loads((results_dir / "runs" / "ptb_llama" / "paper_mix-lr3e-3-seed2.json").read_text())
