@@ -229,6 +229,24 @@ def test_published_records_are_summarised_as_before(published_runs, tmp_path):
 
 # --- The amendment ----------------------------------------------------------------------------------------
 
+def test_the_amendments_rerun_cells_reproduce_their_records_bit_for_bit():
+    """results/check/ holds cells of the amendment re-run into another folder: every metric but the timings is the
+    published record's, to the last bit (results/README.md says so)."""
+    checked = 0
+    for path in sorted((PUBLISHED / "check").glob("*.json")):
+        rerun = json.loads(path.read_text())
+        if protocol.part_of(rerun["task"], rerun["variant"]) != "amendment":
+            continue
+        name = f"{rerun['variant']}-lr{rerun['lr']}-seed{rerun['seed']}.json"
+        record = json.loads((PUBLISHED / "runs" / rerun["task"] / name).read_text())
+        timing = {key for key in record["results"] if key.endswith(("_runtime", "_per_second"))}
+        assert {k: v for k, v in rerun["results"].items() if k not in timing} == {
+            k: v for k, v in record["results"].items() if k not in timing}, path.name
+        assert rerun["config_overrides"] == record["config_overrides"]
+        checked += 1
+    assert checked >= 3
+
+
 def test_new_arms_override_the_formulation_of_the_mix():
     mix = "plap_p=[1.5,1.5,1.5,1.5,2.5,2.5,2.5,2.5]"
     assert protocol.variant_overrides("softmax_selfweight", 8) == f"{mix},plap_formulation=selfweight"
