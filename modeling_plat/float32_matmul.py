@@ -39,6 +39,9 @@ class _SplitBmm(torch.autograd.Function):
         return grad_a, grad_b
 
 
+# Dynamo cannot trace the precision getter (a graph break per call, and none with fullgraph=True): a compiled
+# graph reads the setting once, while it is traced, and keeps what it read.
+@torch.compiler.assume_constant_result
 def _cuda_matmul_allows_tf32():
     """Whether CUDA float32 matmuls may round their inputs to TF32 (allow_tf32, float32 matmul precision
     "high" or "medium")."""

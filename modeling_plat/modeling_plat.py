@@ -84,9 +84,13 @@ def rotate_half(x):
 
 
 def apply_rotary(x, cos, sin):
-    """Rotate each (i, i + d/2) feature pair of (B, H, N, d) ``x`` by its position's angle."""
+    """Rotate each (i, i + d/2) feature pair of (B, H, N, d) ``x`` by its position's angle; in ``x``'s dtype.
+
+    Under autocast cos and sin are float32 like the residual stream while x (a projection) is half: the product
+    would promote queries and keys to float32 beside half values.
+    """
     cos, sin = cos[:, None], sin[:, None]  # (B|1, 1, N, d): shared by all heads
-    return x * cos + rotate_half(x) * sin
+    return (x * cos + rotate_half(x) * sin).to(x.dtype)
 
 
 def repeat_kv(hidden_states, repeats):

@@ -9,13 +9,19 @@ Each backend states why it cannot run an input (``unsupported_reason``); "auto" 
 preference list (``preference``) that has no objection, once per group of heads. Heads with p = 2 are softmax
 attention in every formulation and run through ``scaled_dot_product_attention`` whatever the backend.
 Nothing here reads a tensor on the host: p is static data, so compiled graphs do not break and GPUs do not wait.
+The choice depends on the inputs' shapes, dtypes and masks and on the facts of the machine (``Platform``), which
+are read once per call outside what torch.compile traces: a traced call chooses exactly what an eager call does.
+On CUDA, "auto" never leaves the fused kernels silently: it logs once per reason what it runs instead, and why.
 """
 
+import functools
 import math
 import os
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+from transformers.utils import logging
 
 from .plap_attention_decode import DECODE_MAX_QUERIES, decode_unsupported_reason, plap_attention_decode
 from .plap_attention_tiled import plap_attention_tiled
@@ -26,6 +32,26 @@ from .plap_attention_reference import FORMULATIONS, allowed_positions, plap_atte
 # `python benchmarks/bench_attention.py` (crossovers per machine in docs/performance.md).
 EAGER_MAX_SCORES_PER_THREAD_CPU = 65536
 
+logger = logging.get_logger(__name__)
+
+
+class Platform(NamedTuple):
+    """What the choice of backend knows of the machine, besides the inputs themselves."""
+
+    device_type: str  # "cuda", "cpu", ...: the kind of device the inputs are on
+    capability: tuple[int, int] | None  # the CUDA compute capability (major, minor); None elsewhere
+    threads: int  # intra-op threads of the CPU
+    triton_interpreted: bool  # TRITON_INTERPRET=1: CPU tensors may run the Triton kernels, interpreted
+
+
+# Constant while torch.compile traces (Dynamo runs it once and keeps the result): the CUDA queries and the thread
+# count are host calls that a trace could not contain, and the traced choice must be the eager one.
+@torch.compiler.assume_constant_result
+def device_platform(device_type, device_index):
+    """The ``Platform`` of a device, e.g. ``device_platform(query.device.type, query.device.index)``."""
+    capability = torch.cuda.get_device_capability(device_index) if device_type == "cuda" else None
+    return Platform(device_type, capability, torch.get_num_threads(), os.environ.get("TRITON_INTERPRET") == "1")
+
 
 class Backend:
     """A backend's entry point and what it can run: ``run(q, k, v, *, p, attn_mask, is_causal, document_ids, eps,
@@ -35,15 +61,15 @@ class Backend:
         self.name, self.run, self.formulations = name, run, formulations
         self.differentiates_p, self.limits = differentiates_p, limits
 
-    def unsupported_reason(self, query, key, value, *, p, p_trains, attn_mask, document_ids, formulation):
-        """Why this backend cannot run the input, or None."""
+    def unsupported_reason(self, query, key, value, *, p, p_trains, attn_mask, document_ids, formulation, platform):
+        """Why this backend cannot run the input on this ``Platform``, or None."""
         if p_trains and not self.differentiates_p:
             return f"backend {self.name!r} computes no gradient for p, which requires grad; use 'eager'"
         if formulation not in self.formulations:
             return f"backend {self.name!r} does not implement formulation {formulation!r}; use 'eager'"
         if self.limits is not None:
             return self.limits(query, key, value, p=p, attn_mask=attn_mask, document_ids=document_ids,
-                               formulation=formulation)
+                               formulation=formulation, platform=platform)
         return None
 
 
@@ -58,30 +84,30 @@ def _triton(query, key, value, **kwargs):
     return plap_attention_triton(query, key, value, **kwargs)
 
 
-def _triton_limits(query, key, value, **kwargs):
-    if query.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+def _triton_limits(query, key, value, *, platform, **kwargs):
+    if platform.device_type == "cpu" and not platform.triton_interpreted:
         return "the Triton kernels need CUDA tensors (CPU tensors run only under TRITON_INTERPRET=1)"
     from .plap_attention_triton import triton_unsupported_reason
 
-    return triton_unsupported_reason(query, key, value, **kwargs)
+    return triton_unsupported_reason(query, key, value, **kwargs, device_type=platform.device_type,
+                                     capability=platform.capability)  # fmt: skip
+
+
+def _decode_limits(query, key, value, *, platform, **kwargs):
+    return decode_unsupported_reason(query, key, value, **kwargs)
 
 
 REGISTRY = {
     "eager": Backend("eager", _eager, tuple(FORMULATIONS), differentiates_p=True),
-    "decode": Backend("decode", plap_attention_decode, ("paper", "euler"), limits=decode_unsupported_reason),
+    "decode": Backend("decode", plap_attention_decode, ("paper", "euler"), limits=_decode_limits),
     "tiled": Backend("tiled", plap_attention_tiled, ("paper", "euler")),
     "triton": Backend("triton", _triton, ("paper", "euler"), limits=_triton_limits),
 }
 BACKENDS = ("auto", *REGISTRY)
 
 
-@torch.compiler.assume_constant_result
-def _intra_op_threads():
-    return torch.get_num_threads()
-
-
-def preference(query, key):
-    """Backends "auto" tries, fastest first (measured: `python benchmarks/bench_attention.py`).
+def preference(query, key, platform):
+    """Backends "auto" tries on this ``Platform``, fastest first (measured: `python benchmarks/bench_attention.py`).
 
     A few queries (decoding with a KV cache): the decode path. CUDA: the fused kernels. CPU: eager for small
     inputs, tiled (O(N) memory) above. While ``torch.export`` traces, the eager reference: plain tensor
@@ -91,33 +117,47 @@ def preference(query, key):
         return ("eager",)
     if query.shape[-2] <= DECODE_MAX_QUERIES:
         return ("decode", "eager")
-    if query.device.type == "cuda":
+    if platform.device_type == "cuda":
         return ("triton", "tiled", "eager")
     scores = query.shape[:-1].numel() * key.shape[-2]
-    if query.device.type == "cpu" and scores <= EAGER_MAX_SCORES_PER_THREAD_CPU * _intra_op_threads():
+    if platform.device_type == "cpu" and scores <= EAGER_MAX_SCORES_PER_THREAD_CPU * platform.threads:
         return ("eager", "tiled")
     return ("tiled", "eager")
 
 
+# Runs while torch.compile traces too (once per compiled graph), where a logging call would break the graph.
+@torch.compiler.assume_constant_result
+def _log_fallback(message):
+    logger.warning_once(message)
+    return True
+
+
 def choose_backend(backend, query, key, value, *, p, p_trains=False, attn_mask=None, document_ids=None,
-                   formulation="paper"):
+                   formulation="paper", platform=None):
     """The backend that runs these heads: ``backend`` itself when it can (else a ValueError saying why), or for
-    "auto" the first of ``preference`` with no objection."""
+    "auto" the first of ``preference`` with no objection. ``platform`` defaults to the inputs' device's."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}")
-    candidates = preference(query, key) if backend == "auto" else (backend,)
+    if platform is None:
+        platform = device_platform(query.device.type, query.device.index)
+    candidates = preference(query, key, platform) if backend == "auto" else (backend,)
     reasons = []
     for name in candidates:
         reason = REGISTRY[name].unsupported_reason(
             query, key, value, p=p, p_trains=p_trains, attn_mask=attn_mask, document_ids=document_ids,
-            formulation=formulation,
+            formulation=formulation, platform=platform,
         )  # fmt: skip
         if reason is None:
-            return REGISTRY[name]
+            break
         reasons.append(reason)
-    if backend != "auto":
-        raise ValueError(f"backend {backend!r} cannot run this input: {reasons[0]}")
-    return REGISTRY["eager"]
+    else:
+        if backend != "auto":
+            raise ValueError(f"backend {backend!r} cannot run this input: {reasons[0]}")
+        name = "eager"
+    if reasons and candidates[0] == "triton":
+        _log_fallback(f"p-LaT attention: plap_backend='auto' runs the {name!r} backend on CUDA instead of the fused "
+                      f"Triton kernels, because {reasons[0]}")  # fmt: skip
+    return REGISTRY[name]
 
 
 def _check_inputs(query, key, value, num_p, attn_mask, document_ids, eps, formulation):
@@ -231,6 +271,21 @@ def softmax_attention(query, key, value, *, attn_mask=None, is_causal=False, doc
         return torch.where(has_key, out, 0)
 
 
+def _one_dtype(query, key, value):
+    """q, k and v in one dtype, as the fused kernels take them: under autocast its dtype, as autocast gives
+    ``scaled_dot_product_attention`` (float64 stays float64); otherwise the widest of the three (an exact cast).
+    P and the accumulations stay float32 or wider in every backend either way."""
+    dtypes = {query.dtype, key.dtype, value.dtype}
+    device_type = query.device.type
+    if torch.float64 not in dtypes and torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+    elif len(dtypes) == 1:
+        return query, key, value
+    else:
+        dtype = functools.reduce(torch.promote_types, dtypes)
+    return query.to(dtype), key.to(dtype), value.to(dtype)
+
+
 def plap_attention(
     query, key, value, p, *, attn_mask=None, is_causal=False, document_ids=None, eps=1e-6, formulation="paper",
     backend="auto",
@@ -253,12 +308,14 @@ def plap_attention(
         backend: "auto" or one of ``REGISTRY`` (see the module docstring).
 
     Returns:
-        (B, H, Nq, dv) tensor in the dtype of ``query``; rows with every key masked are zero.
+        (B, H, Nq, dv) tensor in the one dtype that q, k and v are computed in: under autocast its dtype (as for
+        ``scaled_dot_product_attention``), else the widest of theirs. Rows with every key masked are zero.
     """
     num_heads = query.shape[1] if query.dim() == 4 else 0
     p_values, p_tensor = _static_p(p, num_heads)
     num_p = len(p_values) if p_values is not None else p_tensor.numel()
     _check_inputs(query, key, value, num_p, attn_mask, document_ids, eps, formulation)
+    query, key, value = _one_dtype(query, key, value)
     if p_values is not None and not all(math.isfinite(v) and v >= 1 for v in p_values):
         raise ValueError(f"p must be finite and >= 1; got {list(p_values)}")
     outputs = []

@@ -163,30 +163,32 @@ def launch_config(dtype, head_dim, value_dim, capability):
 
 
 def triton_unsupported_reason(query, key=None, value=None, *, p, attn_mask=None, document_ids=None,
-                              formulation="paper"):  # fmt: skip
+                              formulation="paper", device_type=None, capability=None):  # fmt: skip
     """None when the Triton kernels can run this input, else why not (a phrase for an error message).
 
     ``key`` and ``value`` default to ``query``'s shape and dtype. ``p`` is the heads' p, a tuple of floats
     (its largest decides float16's limit). Every limit is static (shapes, dtypes, p, the device's compute
     capability, the Triton version), so that ``auto`` can choose another backend; nothing here reads a
-    tensor's values.
+    tensor's values. ``device_type`` and ``capability`` describe the device (by default the inputs' own; the
+    dispatcher passes what it read once, outside torch.compile's trace).
     """
     key = query if key is None else key
     value = key if value is None else value
+    device_type = query.device.type if device_type is None else device_type
     if triton is None:
         return "triton is not installed (pip install triton)"
     if TRITON_VERSION < MIN_TRITON_VERSION:
         return f"triton {triton.__version__} is older than {'.'.join(map(str, MIN_TRITON_VERSION))}"
     if formulation not in FORMULATIONS:
         return f"formulation {formulation!r} is not one of {FORMULATIONS}"
-    if query.device.type == "cuda":
-        capability = torch.cuda.get_device_capability(query.device)
+    if device_type == "cuda":
+        capability = torch.cuda.get_device_capability(query.device) if capability is None else capability
         reason = capability_reason(capability, query.dtype, query.shape[-1], value.shape[-1])
-    elif query.device.type == "cpu" and INTERPRETED:
+    elif device_type == "cpu" and INTERPRETED:
         reason = None  # the interpreter has no architecture limits
     else:
         reason = (
-            f"the kernels need CUDA tensors, got {query.device.type} (CPU tensors run only under the Triton "
+            f"the kernels need CUDA tensors, got {device_type} (CPU tensors run only under the Triton "
             "interpreter, TRITON_INTERPRET=1 set before import)"
         )
     return reason or _input_reason(query, key, value, attn_mask, document_ids, max(p, default=None))
@@ -939,18 +941,23 @@ def _backward_op(
     num_queries, num_keys = query.shape[2], key.shape[2]
     grad_out = grad_out.contiguous()
     grad_f32 = grad_out.float()
-    # FlashAttention's D = rowsum(dU * U); euler subtracts the own-value part dU . v_x.
-    own_dot = (grad_f32 * value[:, :, num_keys - num_queries :].float()).sum(-1)  # (B, H, Nq)
-    delta = (grad_f32 * out.float()).sum(-1) - (own_dot if euler else 0)
-    grad_q = torch.empty(query.shape, device=query.device, dtype=torch.float32)
-    grad_k = torch.empty(key.shape, device=query.device, dtype=torch.float32)
+    # FlashAttention's D = rowsum(dU * U), (B, H, Nq) in float32; euler subtracts the own-value part dU . v_x, which
+    # the paper formulation never reads (its kernels get D in its place: no kernels spent on it).
+    delta = (grad_f32 * out).sum(-1)
+    own_dot = delta
+    if euler:
+        own_dot = (grad_f32 * value[:, :, num_keys - num_queries :]).sum(-1)
+        delta = delta - own_dot
+    # dq and dk are stored once, cast in the kernels' store; the dq kernel adds to the dv rows of each query's own
+    # value after the dkdv kernel wrote them, so dv stays float32 until the end.
+    grad_q, grad_k = torch.empty_like(query), torch.empty_like(key)
     grad_v = torch.empty(value.shape, device=query.device, dtype=torch.float32)
     for launch in backward_launches(
         query, key, value, sq_norms, key_keep, documents, grad_out, lse, delta, own_dot,
         own_weight if euler else lse, grad_q, grad_k, grad_v, tuple(p), is_causal, eps, euler, _unflat(config),
     ):  # fmt: skip
         _run(launch, query, value)
-    return grad_q.to(query.dtype), grad_k.to(key.dtype), grad_v.to(value.dtype)
+    return grad_q, grad_k, grad_v.to(value.dtype)
 
 
 @_backward_op.register_fake

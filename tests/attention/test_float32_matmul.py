@@ -148,3 +148,16 @@ def test_tiled_gradients_stay_at_float32_floor_under_tf32(monkeypatch):
     plain = tiled_errors_near_coinciding(monkeypatch, split=False)
     assert split[3] <= 1.5 * float32[3]
     assert plain[3] >= 100 * split[3]
+
+
+def test_tf32_setting_is_read_while_tracing():
+    """torch.compile traces the TF32 query as a constant: no graph break, fullgraph works (the getter itself is
+    opaque to Dynamo)."""
+    compiled = torch.compile(lambda x: x + 1 if matmul_module._cuda_matmul_allows_tf32() else x - 1, fullgraph=True,
+                             backend="eager")  # fmt: skip
+    previous = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("highest")
+        assert compiled(torch.zeros(2)).tolist() == [-1, -1]
+    finally:
+        torch.set_float32_matmul_precision(previous)

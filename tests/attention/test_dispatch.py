@@ -1,0 +1,131 @@
+"""What the dispatcher sees and chooses as models run it: one dtype under autocast, the same choice while torch.compile
+traces as in eager mode, and no silent fall back from the fused kernels on CUDA.
+
+A GPU's choices are proved on the CPU with a simulated CUDA ``Platform`` (the facts of the machine the dispatcher reads
+once, outside the trace); there the Triton kernels run under the Triton interpreter (tests/conftest.py).
+"""
+
+import importlib
+
+import pytest
+import torch
+from device import DEVICE, ON_CUDA
+from tiny import TEXT_SHAPES, classifier, lm
+from transformers.testing_utils import CaptureLogger
+
+from modeling_plat import modeling_plat as modeling_module
+from modeling_plat import plap_attention_triton as triton_module
+from modeling_plat.plap_attention import Platform
+
+dispatch = importlib.import_module("modeling_plat.plap_attention")
+# An H100 as the dispatcher sees it (compute capability 9.0).
+HOPPER = Platform("cuda", (9, 0), threads=torch.get_num_threads(), triton_interpreted=False)
+P_MIX = [1.5, 1.5, 2.5, 2.0]  # both powers and a softmax head
+needs_triton = pytest.mark.skipif(triton_module.triton is None, reason="triton is not installed")
+
+
+def tiny_model(shape):
+    if shape == "vision":
+        return classifier(plap_p=[1.5, 2.5, 2.0]).to(DEVICE)
+    return lm(**TEXT_SHAPES[shape], plap_p=P_MIX, use_cache=False).to(DEVICE)
+
+
+def model_inputs(shape):
+    if shape == "vision":
+        return dict(pixel_values=torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(0)).to(DEVICE),
+                    labels=torch.tensor([0, 3], device=DEVICE))  # fmt: skip
+    ids = torch.randint(2, 61, (2, 12), generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    return dict(input_ids=ids, labels=ids)
+
+
+def spy_choices(monkeypatch):
+    """Record the name of every backend ``choose_backend`` returns (eager calls and traced ones alike)."""
+    names = []
+    choose = dispatch.choose_backend
+
+    def recording(*args, **kwargs):
+        backend = choose(*args, **kwargs)
+        names.append(backend.name)
+        return backend
+
+    monkeypatch.setattr(dispatch, "choose_backend", recording)
+    return names
+
+
+@pytest.mark.parametrize("shape", [*TEXT_SHAPES, "vision"])
+def test_one_dtype_reaches_the_attention_under_autocast(monkeypatch, shape):
+    """Under bf16 autocast (Trainer's --bf16) q, k and v reach plap_attention in bf16 for every model shape (the
+    Llama shape's rotary once made q and k float32 beside bf16 values), and on a GPU the fused kernels take them."""
+    seen = []
+    attend = modeling_module.plap_attention
+
+    def recording(query, key, value, p, **kwargs):
+        seen.append((query.dtype, key.dtype, value.dtype))
+        on_gpu = dispatch.choose_backend("auto", query, key, value, p=p, attn_mask=kwargs["attn_mask"],
+                                         document_ids=kwargs["document_ids"], platform=HOPPER)  # fmt: skip
+        seen.append(on_gpu.name)
+        return attend(query, key, value, p, **kwargs)
+
+    monkeypatch.setattr(modeling_module, "plap_attention", recording)
+    model = tiny_model(shape).train()
+    with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+        loss = model(**model_inputs(shape)).loss
+    loss.backward()
+    assert seen and seen[0::2] == [(torch.bfloat16,) * 3] * (len(seen) // 2)
+    assert set(seen[1::2]) == {"triton"}
+    assert torch.isfinite(loss)
+
+
+def test_mixed_dtypes_are_computed_in_one():
+    """Outside autocast mixed inputs are cast to the widest (exactly); under it to autocast's dtype, as SDPA is."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 6, 8, generator=gen).to(DEVICE) for _ in range(3))
+    p = (1.5, 2.5)
+    expected = dispatch.plap_attention(q, k, v.bfloat16().float(), p, is_causal=True)
+    mixed = dispatch.plap_attention(q, k, v.bfloat16(), p, is_causal=True)
+    assert mixed.dtype == torch.float32
+    torch.testing.assert_close(mixed, expected, rtol=0, atol=0)
+    with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+        assert dispatch.plap_attention(q, k, v.bfloat16(), p, is_causal=True).dtype == torch.bfloat16
+
+
+def test_fallback_from_the_fused_kernels_is_logged_once_per_reason():
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 3, 7, 16, generator=gen).to(DEVICE)
+    general_mask = torch.rand(2, 3, 7, 7, generator=gen).to(DEVICE) > 0.3  # not a key-padding mask
+    logger = dispatch.logger
+    with CaptureLogger(logger) as captured:
+        for _ in range(2):
+            chosen = dispatch.choose_backend("auto", q, q, q, p=(1.5,) * 3, attn_mask=general_mask, platform=HOPPER)
+    assert chosen.name == "tiled"
+    assert captured.out.count("runs the 'tiled' backend on CUDA instead of the fused Triton kernels") == 1
+    assert "key-padding" in captured.out
+    with CaptureLogger(logger) as captured:  # the kernels run it: nothing to say
+        assert dispatch.choose_backend("auto", q, q, q, p=(1.5,) * 3, platform=HOPPER).name == "triton"
+    assert captured.out == ""
+
+
+@needs_triton
+@pytest.mark.parametrize("shape", TEXT_SHAPES)
+def test_traced_choice_is_the_eager_choice_on_cuda(monkeypatch, shape):
+    """With a GPU's platform, a training step compiled with fullgraph=True runs exactly the backends that eager mode
+    runs, the fused kernels for the p != 2 heads, with no call that Dynamo cannot trace (it would fail fullgraph)."""
+    if not ON_CUDA:
+        monkeypatch.setattr(dispatch, "device_platform", lambda device_type, device_index: HOPPER)
+    names = spy_choices(monkeypatch)
+    model = tiny_model(shape).train()
+    inputs = model_inputs(shape)
+
+    def step(input_ids, labels):
+        return model(input_ids=input_ids, labels=labels).loss
+
+    eager_loss = step(**inputs)
+    eager_names = list(names)
+    names.clear()
+    torch._dynamo.reset()
+    compiled_loss = torch.compile(step, backend="aot_eager", fullgraph=True)(**inputs)
+    assert names == eager_names and set(eager_names) == {"triton"}
+    torch.testing.assert_close(compiled_loss, eager_loss, rtol=1e-5, atol=1e-6)
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(step)(**inputs)
+    assert explained.graph_break_count == 0, [str(reason.reason)[:200] for reason in explained.break_reasons]
