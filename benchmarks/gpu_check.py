@@ -111,11 +111,11 @@ def run_case(case, device):
     """Result of one sweep case: the backend that ran, relative errors and the rerun check, or a skip."""
     inputs, p, kwargs, grad_out = make_case_inputs(case, device)
     try:
-        backend = choose_backend(case["backend"], *inputs, p=tuple(p.tolist()), attn_mask=kwargs.get("attn_mask")).name
+        backend = choose_backend(case["backend"], *inputs, p=p, attn_mask=kwargs.get("attn_mask")).name
     except ValueError as reason:
         return dict(status="skipped", reason=str(reason))
     reference_inputs = [t.detach().double().requires_grad_() for t in inputs]
-    reference = outputs_and_gradients(reference_inputs, p.double(), kwargs, grad_out, "eager")
+    reference = outputs_and_gradients(reference_inputs, p, kwargs, grad_out, "eager")
 
     def errors(results):
         return {name: relative_error(ours, ref)
