@@ -5,15 +5,22 @@ Importing this package registers both p-LaT families with the Auto classes: the 
 (``"plat_vision"``: ``PlatVisionConfig``, ``AutoModel`` -> ``PlatVisionModel``, ``AutoModelForImageClassification``,
 ``AutoImageProcessor`` -> ``PlatImageProcessor``). Saved checkpoints also carry ``auto_map`` and these files, so
 ``from_pretrained(..., trust_remote_code=True)`` works without the package installed.
+
+It also registers p-LaT attention with transformers as ``attn_implementation="plap"``, for transformers' own models
+(``AutoModelForCausalLM.from_pretrained("Qwen/Qwen3-0.6B", attn_implementation="plap")``): see
+``attention_interface``.
 """
 
 from transformers import (
+    AttentionInterface,
+    AttentionMaskInterface,
     AutoConfig,
     AutoImageProcessor,
     AutoModel,
     AutoModelForCausalLM,
     AutoModelForImageClassification,
 )
+from .attention_interface import ATTN_IMPLEMENTATION, mark_plap, plap_attention_forward, plap_mask
 from .configuration_plat import PlatConfig, PlatConfigBase, PlatVisionConfig, paper_p_mix
 from .image_processing_plat import PlatImageProcessor
 from .modeling_plat import (
@@ -34,6 +41,8 @@ AutoModel.register(PlatVisionConfig, PlatVisionModel, exist_ok=True)
 AutoModelForCausalLM.register(PlatConfig, PlatForCausalLM, exist_ok=True)
 AutoModelForImageClassification.register(PlatVisionConfig, PlatForImageClassification, exist_ok=True)
 AutoImageProcessor.register(PlatVisionConfig, image_processor_classes={"pil": PlatImageProcessor}, exist_ok=True)
+AttentionInterface.register(ATTN_IMPLEMENTATION, plap_attention_forward)
+AttentionMaskInterface.register(ATTN_IMPLEMENTATION, plap_mask)
 # No video processor: said explicitly, or pipelines look for one in the checkpoint's remote code and prompt for
 # trust_remote_code (their probe derives it from the grayscale image processor's auto_map). The class lives on a
 # private path (transformers' top-level name is a placeholder needing torchvision): skipped if it moves.
@@ -57,6 +66,7 @@ __all__ = [
     "PlatVisionConfig",
     "PlatVisionModel",
     "PlatVisionPreTrainedModel",
+    "mark_plap",
     "paper_p_mix",
     "plap_attention",
     "plap_attention_weights",

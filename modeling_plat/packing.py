@@ -31,8 +31,9 @@ def packed_document_ids(position_ids=None, attention_mask=None, cu_seq_lens_q=No
                  cache_given):
     """(B, N) document index of every new token of packed rows, or None when the rows are not packed.
 
-    From ``cu_seq_lens_q`` when given, else from ``position_ids`` that restart at 0 after a real token (left
-    padding, whose first real token also has position 0, is not a restart). A KV cache of packed rows would let
+    From ``cu_seq_lens_q`` when given, else from ``position_ids`` that restart at 0 at a real token with a real token
+    before it in the row. Padding is never a document start: the first real token after left padding, and right
+    padding (``generate`` gives padding position 0), also have position 0. A KV cache of packed rows would let
     later tokens attend across documents: with a cache from the caller (``cache_given``) packed rows are refused.
     Under torch.compile the restarts cannot be read on the host: rows with position_ids are then treated as
     possibly packed, and with a cache from the caller as not packed.
@@ -45,10 +46,11 @@ def packed_document_ids(position_ids=None, attention_mask=None, cu_seq_lens_q=No
     if position_ids is None or length == 1:
         return None
     position_ids = position_ids.expand(batch, length)
-    after_real = torch.ones_like(position_ids[:, :-1], dtype=torch.bool)
+    restarts = position_ids[:, 1:] == 0  # (B, N - 1)
     if attention_mask is not None:
-        after_real = attention_mask[:, -length:-1].bool()
-    restarts = (position_ids[:, 1:] == 0) & after_real  # (B, N - 1)
+        real = attention_mask.bool()  # (B, past + N)
+        real_so_far = real.long().cumsum(-1)[:, -length:]  # (B, N): real tokens up to each one, itself included
+        restarts = restarts & real[:, -length + 1:] & (real_so_far[:, :-1] > 0)
     if torch.compiler.is_compiling():
         return None if cache_given else torch.cat([restarts.new_zeros(batch, 1), restarts], 1).cumsum(-1)
     if not bool(restarts.any()):

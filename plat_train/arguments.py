@@ -36,6 +36,13 @@ class ModelArguments:
                           "'plap_p=[1.5,1.5,2.5],hidden_dropout_prob=0.1,plap_formulation=euler'. Unknown fields "
                           "are an error."},
     )
+    attn_implementation: str | None = field(
+        default=None,
+        metadata={"help": "'plap': keep --model_name_or_path's own transformers model (any family: Llama 3, Qwen3, "
+                          "Gemma, Phi-3, ...) and run p-LaT in its attention layers, p from --config_overrides "
+                          "(plap_p, plap_eps, plap_formulation), instead of converting it to PlatForCausalLM.",
+                  "choices": ["plap"]},
+    )
     cache_dir: str | None = field(default=None, metadata={"help": "Where to cache Hub models and datasets."})
     model_revision: str = field(default="main", metadata={"help": "Model version (branch, tag or commit)."})
     token: str | None = field(default=None, metadata={"help": "Hub token for private models or datasets."})

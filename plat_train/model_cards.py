@@ -164,6 +164,24 @@ def model_card(config, task, model_id, metrics=None, dataset=None, command=None,
     return ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n\n".join(sections) + "\n")
 
 
+def plap_interface_section(config, model_id):
+    """The model card section of a transformers model that runs p-LaT through attn_implementation="plap"."""
+    p = getattr(config, "plap_p", None)
+    return (
+        "## p-LaT attention\n\n"
+        f"This {type(config).__name__.removesuffix('Config')} model runs p-Laplacian attention (p-LaT, "
+        "[arXiv 2311.03235](https://arxiv.org/abs/2311.03235)) in every attention layer, with p per head "
+        f"{'the paper mix (1.5 and 2.5)' if p is None else p}, eps {getattr(config, 'plap_eps', 1e-6)} and "
+        f"the {getattr(config, 'plap_formulation', 'paper')!r} formulation (config.json's `plap_*` fields). Its "
+        "config.json says `\"attn_implementation\": \"plap\"`, which the `plat-transformers` package registers "
+        "with transformers: load it after importing it (without it, transformers refuses the checkpoint rather "
+        "than run softmax attention).\n\n"
+        "```python\nimport modeling_plat  # pip install plat-transformers\nfrom transformers import "
+        f"AutoModelForCausalLM\n\nmodel = AutoModelForCausalLM.from_pretrained(\"{model_id}\", "
+        "attn_implementation=\"plap\")\n```\n"
+    )
+
+
 def write_model_card(output_dir, config, task, model_id=None, **kwargs):
     """Write ``output_dir/README.md``; ``model_id`` defaults to the folder itself (usable as printed)."""
     output_dir = Path(output_dir)

@@ -3,7 +3,8 @@
 The config comes from a preset or config path (``--config_name``), a saved model (``--model_name_or_path``)
 or the family's defaults, with ``--config_overrides`` applied on top; the weights are new, a saved p-LaT
 model's, or a stock transformers GPT-2 / Llama / Qwen2 / Mistral / ViT / DeiT checkpoint's, converted to p-LaT on
-load.
+load. With ``--attn_implementation plap`` a transformers checkpoint of any family keeps its own model class and
+runs p-LaT in its attention layers (``modeling_plat.attention_interface``).
 """
 
 import copy
@@ -18,6 +19,7 @@ from transformers import (
 )
 
 from modeling_plat import PlatConfig, PlatConfigBase, PlatVisionConfig
+from modeling_plat.attention_interface import ATTN_IMPLEMENTATION, check_plap_config, mark_plap
 from modeling_plat.convert import convert_to_plat, convertible, plat_config_for
 
 from .presets import resolve_config_name
@@ -78,6 +80,8 @@ def build_config(model_args, task, saved=None, default_config_name=None, **field
     """
     config_class = TASKS[task][1]
     overrides = parse_config_overrides(model_args.config_overrides or "")
+    if model_args.attn_implementation == ATTN_IMPLEMENTATION:
+        return _interface_config(model_args, saved, overrides, fields)
     source = model_args.config_name or model_args.model_name_or_path or default_config_name
     if source is None:
         # A fresh config: defaults that depend on overridden fields (plap_p on the head count,
@@ -108,10 +112,38 @@ def build_config(model_args, task, saved=None, default_config_name=None, **field
     return config
 
 
-def _refuse_unknown(overrides, config):
+def _interface_config(model_args, saved, overrides, fields):
+    """A transformers model's own config with p-LaT's fields: ``--model_name_or_path``'s, or ``--config_name``'s to
+    train from scratch. Marked so that the saved checkpoint loads with p-LaT attention."""
+    source = model_args.config_name or model_args.model_name_or_path
+    if source is None:
+        raise ValueError("--attn_implementation plap needs --model_name_or_path (or --config_name) of a transformers "
+                         "model")
+    if source == model_args.model_name_or_path:
+        config = copy.deepcopy(saved or saved_config(model_args))
+    else:
+        config = AutoConfig.from_pretrained(resolve_config_name(source), **model_args.hub_kwargs())
+    if is_plat(config):
+        raise ValueError(f"{source} is a p-LaT model already: drop --attn_implementation plap, which is for "
+                         "transformers' own model classes")
+    _refuse_unknown(overrides, config, allowed=PLAP_FIELDS)
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    if overrides:
+        logger.info(f"Overriding config: {overrides}")
+    config.update(fields)
+    check_plap_config(config)
+    return mark_plap(config)
+
+
+# PlatConfig's p-LaT fields, which attn_implementation="plap" reads from any model's config.
+PLAP_FIELDS = ("plap_p", "plap_eps", "plap_formulation", "plap_backend")
+
+
+def _refuse_unknown(overrides, config, allowed=()):
     # Properties such as attention_bias (transformers' name for two of our fields) are settable but not saved.
-    unknown = sorted(name for name in overrides
-                     if name not in config.to_dict() and not isinstance(getattr(type(config), name, None), property))
+    unknown = sorted(name for name in overrides if name not in allowed and name not in config.to_dict()
+                     and not isinstance(getattr(type(config), name, None), property))
     if unknown:
         raise ValueError(f"--config_overrides names fields that {type(config).__name__} does not have: {unknown}")
 
@@ -124,16 +156,18 @@ def load_model(model_args, config, task, saved=None, **load_kwargs):
     ``num_labels`` / ``id2label``, so that transformers resizes its head before the conversion).
     """
     auto_class = TASKS[task][0]
+    attention = {"attn_implementation": model_args.attn_implementation} if model_args.attn_implementation else {}
     if model_args.model_name_or_path is None:
-        model = auto_class.from_config(config)
+        model = auto_class.from_config(config, **attention)
         size = sum(p.numel() for p in model.parameters())
         logger.info(f"Training a new {type(model).__name__} from scratch: {size / 1e6:.2f}M parameters")
         return model
     hub_kwargs = model_args.hub_kwargs()
     if model_args.dtype is not None:
         hub_kwargs["dtype"] = model_args.dtype
-    if not convertible(saved or saved_config(model_args)):
-        return auto_class.from_pretrained(model_args.model_name_or_path, config=config, **hub_kwargs, **load_kwargs)
+    if attention or not convertible(saved or saved_config(model_args)):
+        return auto_class.from_pretrained(model_args.model_name_or_path, config=config, **hub_kwargs, **attention,
+                                          **load_kwargs)  # fmt: skip
     source = auto_class.from_pretrained(model_args.model_name_or_path, **hub_kwargs, **load_kwargs)
     logger.info(f"Converting {type(source).__name__} from {model_args.model_name_or_path} to p-LaT "
                 f"(p per head: {config.p_per_layer()[0]})")

@@ -11,8 +11,9 @@ from transformers import GenerationMixin, Trainer
 from transformers.modelcard import extract_hyperparameters_from_trainer
 
 from modeling_plat import PlatConfigBase
+from modeling_plat.attention_interface import ATTN_IMPLEMENTATION
 
-from .model_cards import current_command, write_model_card
+from .model_cards import current_command, plap_interface_section, write_model_card
 
 # Parameters without weight decay besides biases and norms (which Trainer already spares): DeiT's
 # ``no_weight_decay`` set, learned tokens and positions.
@@ -24,14 +25,19 @@ class PlatModelCardMixin:
 
     Trainer calls ``create_model_card`` from ``push_to_hub`` (with the ``dataset``/``finetuned_from`` keywords
     the jobs pass); the card takes its metrics from ``all_results.json`` and its hyperparameters from the
-    Trainer's arguments. Models that are not p-LaT keep Trainer's own card.
+    Trainer's arguments. Other models keep Trainer's own card, with how to load them where they run p-LaT through
+    attn_implementation="plap".
     """
 
     def create_model_card(self, dataset=None, finetuned_from=None, license=None, **kwargs):
         model = self.accelerator.unwrap_model(self.model)
         if not isinstance(model.config, PlatConfigBase):
-            return super().create_model_card(dataset=dataset, finetuned_from=finetuned_from, license=license,
-                                              **kwargs)
+            super().create_model_card(dataset=dataset, finetuned_from=finetuned_from, license=license, **kwargs)
+            card = Path(self.args.output_dir) / "README.md"
+            if model.config._attn_implementation == ATTN_IMPLEMENTATION and self.is_world_process_zero():
+                model_id = self.hub_model_id if self.args.push_to_hub else str(Path(self.args.output_dir).resolve())
+                card.write_text(card.read_text() + "\n" + plap_interface_section(model.config, model_id))
+            return None
         if not self.is_world_process_zero():
             return None
         results = Path(self.args.output_dir) / "all_results.json"

@@ -1,0 +1,166 @@
+"""p-LaT in transformers' own models: ``attn_implementation="plap"``.
+
+Importing ``modeling_plat`` registers ``plap_attention_forward`` with transformers' ``AttentionInterface`` and
+``plap_mask`` with its ``AttentionMaskInterface``, so that any model whose attention dispatches through the interface
+(Llama, Qwen2/3, Mistral, Phi-3, Gemma, SmolLM, ViT, ...) runs eq. 12 in every attention layer::
+
+    model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="plap")
+
+transformers keeps computing everything around the attention (rotary embeddings of every type, sliding-window and
+chunked masks, caches, grouped-query heads); this module only replaces softmax(q k^T) v. p-LaT reads from the
+model's own config, under ``PlatConfig``'s names: ``plap_p`` (one float, one per query head, or one list per layer;
+the paper's mix when unset), ``plap_eps``, ``plap_formulation`` and ``plap_backend``. They are plain config
+attributes, saved by ``save_pretrained``; ``attn_implementation`` is saved only where ``config.attn_implementation =
+"plap"`` is set (``mark_plap``).
+"""
+
+import functools
+import math
+from types import SimpleNamespace
+
+import torch
+from transformers.integrations.sdpa_attention import repeat_kv
+from transformers.masking_utils import (
+    bidirectional_mask_function,
+    causal_mask_function,
+    prepare_padding_mask,
+    sdpa_mask,
+)
+
+from .configuration_plat import PlatConfigBase, paper_p_mix
+from .plap_attention import BACKENDS, plap_attention
+from .plap_attention_reference import FORMULATIONS, plap_attention_eager
+
+ATTN_IMPLEMENTATION = "plap"
+
+
+def plap_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=causal_mask_function,
+              attention_mask=None, allow_is_causal_skip=True, **kwargs):  # fmt: skip
+    """A boolean mask (True = may attend) for ``plap_attention_forward``, queries being the last keys.
+
+    A plain causal or bidirectional pattern becomes None or a (B, 1, 1, Nk) key-padding mask, the module's
+    ``is_causal`` adding causality: the fused kernels take those, not a (B, 1, Nq, Nk) mask. Any other pattern (sliding
+    windows, chunks, packed rows, overlays) is transformers' own ``sdpa_mask``. p-LaT weighs each key by its value's
+    distance to the query's own value, which it finds at the bottom-right diagonal: cross-attention, and a static
+    cache (which hands back its whole fixed length, empty slots included), are refused.
+    """
+    if isinstance(q_offset, torch.Tensor) or q_offset + q_length != kv_offset + kv_length:
+        raise ValueError(
+            f"attn_implementation='plap' needs the {q_length} queries to be the last of the {kv_length} keys, each "
+            "with its own value: cross-attention cannot run p-LaT, nor can a static cache (generate("
+            "cache_implementation='static')); use a DynamicCache"
+        )
+    if allow_is_causal_skip and mask_function in (causal_mask_function, bidirectional_mask_function):
+        padding = prepare_padding_mask(attention_mask, kv_length, kv_offset)  # (B, Nk) or None
+        if padding is None or (not torch.compiler.is_compiling() and bool(padding.all())):
+            return None
+        return padding[:, None, None, :]  # (B, 1, 1, Nk)
+    return sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function=mask_function,
+                     attention_mask=attention_mask, allow_is_causal_skip=allow_is_causal_skip, **kwargs)  # fmt: skip
+
+
+@functools.cache
+def _layer_p(plap_p, num_layers, num_heads, layer_idx):
+    """p of one layer's heads as a tuple: PlatConfig's reading of ``plap_p`` (and its errors), cached per value."""
+    if plap_p is None:
+        return tuple(paper_p_mix(num_heads))
+    table = PlatConfigBase.p_per_layer(
+        SimpleNamespace(plap_p=plap_p, num_hidden_layers=num_layers, num_attention_heads=num_heads)
+    )
+    if layer_idx is None:
+        if any(row != table[0] for row in table):
+            raise ValueError(
+                "plap_p gives each layer its own p, but this model's attention modules carry no layer_idx: give one "
+                "p per head for all layers"
+            )
+        layer_idx = 0
+    return tuple(table[layer_idx])
+
+
+def _frozen(value):
+    """``plap_p`` as a hashable key (JSON gives lists)."""
+    return tuple(_frozen(v) for v in value) if isinstance(value, (list, tuple)) else value
+
+
+def plap_settings(module, num_heads):
+    """(p per head of this layer, eps, formulation, backend) from ``module.config``, PlatConfig's field names."""
+    config = module.config
+    heads = getattr(config, "num_attention_heads", num_heads)
+    if heads != num_heads:
+        raise ValueError(
+            f"config.num_attention_heads is {heads} but {type(module).__name__} computes {num_heads} query heads; "
+            "p-LaT gives each query head its own p"
+        )
+    # Cached in eager mode; dynamo runs it once while tracing, and would warn about (and ignore) the cache.
+    layer_p = _layer_p.__wrapped__ if torch.compiler.is_compiling() else _layer_p
+    p = layer_p(_frozen(getattr(config, "plap_p", None)), getattr(config, "num_hidden_layers", 1), num_heads,
+                getattr(module, "layer_idx", None))  # fmt: skip
+    return (p, getattr(config, "plap_eps", 1e-6), getattr(config, "plap_formulation", "paper"),
+            getattr(config, "plap_backend", "auto"))  # fmt: skip
+
+
+def plap_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
+                           **kwargs):  # fmt: skip
+    """transformers' attention-function contract: query (B, H, Nq, d), key and value (B, H_kv, Nk, d), a boolean mask
+    broadcastable to (B, H, Nq, Nk) or None; returns (output (B, Nq, H, d), weights (B, H, Nq, Nk) or None)."""
+    name = type(module).__name__
+    if kwargs.get("softcap") is not None:
+        raise ValueError(
+            f"{name} soft-caps its attention logits (attn_logit_softcapping={kwargs['softcap']}), which p-LaT cannot "
+            "apply: its softmax is computed inside the p-Laplacian kernels. Set config.attn_logit_softcapping = None "
+            "to run p-LaT on this model"
+        )
+    for unsupported in ("s_aux", "position_bias"):
+        if kwargs.get(unsupported) is not None:
+            raise ValueError(f"{name} passes {unsupported} to its attention, which p-LaT cannot apply")
+    if attention_mask is not None and attention_mask.dtype != torch.bool:
+        raise ValueError(
+            f"{name} built a {attention_mask.dtype} attention mask; p-LaT takes boolean masks (transformers' "
+            "create_causal_mask / create_bidirectional_mask with attn_implementation='plap' make them)"
+        )
+    is_causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+    num_queries, num_keys = query.shape[-2], key.shape[-2]
+    if getattr(module, "is_cross_attention", False) or (not is_causal and num_queries != num_keys):
+        raise ValueError(
+            f"{name} attends from {num_queries} queries to {num_keys} other tokens (cross-attention): p-LaT weighs "
+            "each key by its value's distance to the query's own value, which these queries do not have"
+        )
+    p, eps, formulation, backend = plap_settings(module, query.shape[1])
+    head_dim = query.shape[-1]
+    if scaling is not None and not math.isclose(scaling * math.sqrt(head_dim), 1.0, rel_tol=1e-12):
+        query = query * (scaling * math.sqrt(head_dim))  # plap_attention scales by 1 / sqrt(d)
+    repeats = query.shape[1] // key.shape[1]
+    key, value = repeat_kv(key, repeats), repeat_kv(value, repeats)  # (B, H, Nk, d)
+    # A mask with one row per query carries the causal pattern itself (plap_mask); a key-padding one does not.
+    full_mask = attention_mask is not None and attention_mask.shape[-2] != 1
+    options = dict(p=p, attn_mask=attention_mask, is_causal=is_causal and not full_mask, eps=eps,
+                   formulation=formulation)  # fmt: skip
+    output_attentions = kwargs.get("output_attentions", False)
+    if dropout > 0 or output_attentions:
+        # Only the reference materialises the (B, H, Nq, Nk) weights that these two need.
+        out, weights = plap_attention_eager(query, key, value, **options, dropout=dropout,
+                                            output_attentions=output_attentions)  # fmt: skip
+    else:
+        out, weights = plap_attention(query, key, value, **options, backend=backend), None
+    return out.transpose(1, 2).contiguous(), weights  # (B, Nq, H, d)
+
+
+def check_plap_config(config):
+    """Raise the ValueError that a forward with attn_implementation="plap" would raise for ``config``'s p-LaT fields."""
+    layers, heads = getattr(config, "num_hidden_layers", 1), config.num_attention_heads
+    for layer in range(layers):
+        _layer_p(_frozen(getattr(config, "plap_p", None)), layers, heads, layer)
+    eps = getattr(config, "plap_eps", 1e-6)
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps <= 0:
+        raise ValueError(f"plap_eps must be a finite number > 0; got {eps!r}")
+    fields = (("plap_formulation", "paper", tuple(FORMULATIONS)), ("plap_backend", "auto", BACKENDS))
+    for name, default, allowed in fields:
+        if getattr(config, name, default) not in allowed:
+            raise ValueError(f"{name} must be one of {allowed}; got {getattr(config, name)!r}")
+
+
+def mark_plap(config):
+    """Make ``save_pretrained`` write ``"attn_implementation": "plap"`` into config.json, so that the checkpoint loads
+    as p-LaT (and, without this package, fails to load rather than run softmax attention)."""
+    config.attn_implementation = ATTN_IMPLEMENTATION
+    return config

@@ -1,0 +1,239 @@
+"""attn_implementation="plap": transformers' own models with p-LaT attention.
+
+Every family is a tiny random config of its transformers class: at p = 2 its logits (left padding included) and
+cached greedy generations are those of the same model with transformers' eager attention, and the paper's mix (the
+default where the config sets no p) changes them. At p != 2 the reference is PlatForCausalLM with the same weights.
+"""
+
+import copy
+
+import pytest
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    BartConfig,
+    BartModel,
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    SmolLM3Config,
+    SmolLM3ForCausalLM,
+    ViTConfig,
+    ViTForImageClassification,
+)
+
+import modeling_plat
+from device import DEVICE
+from modeling_plat import PlatForImageClassification
+from modeling_plat.attention_interface import plap_mask
+from modeling_plat.convert import convert_to_plat
+
+DECODER = dict(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8}
+LENGTH = 10  # longer than every sliding window below, and than llama3 rope's original context
+# The checkpoints users pick, as tiny configs: Llama 3.x rope, Qwen2.5's q/k/v biases, Qwen3's q/k norms and wider
+# heads, Mistral with a window shorter than the input, Phi-3's fused projections and partial rotary, Gemma 2 and 3
+# (query_pre_attn_scalar != head_dim, alternating sliding/full layers, Gemma 2's final logit softcap), SmolLM3's
+# tied embeddings and layers without rotary positions.
+FAMILIES = {
+    "llama3": (LlamaForCausalLM, LlamaConfig(**DECODER, rope_parameters=LLAMA3_ROPE)),
+    "qwen2.5": (Qwen2ForCausalLM, Qwen2Config(**DECODER)),
+    "qwen3": (Qwen3ForCausalLM, Qwen3Config(**DECODER, head_dim=16)),
+    "mistral-window": (MistralForCausalLM, MistralConfig(**DECODER, sliding_window=4)),
+    "phi3": (Phi3ForCausalLM, Phi3Config(**DECODER, partial_rotary_factor=0.5)),
+    "gemma2": (Gemma2ForCausalLM, Gemma2Config(**DECODER, head_dim=8, query_pre_attn_scalar=12, sliding_window=4,
+                                               attn_logit_softcapping=None, final_logit_softcapping=30.0)),
+    "gemma3": (Gemma3ForCausalLM, Gemma3TextConfig(**DECODER, head_dim=8, query_pre_attn_scalar=12, sliding_window=4,
+                                                   layer_types=["sliding_attention", "full_attention"])),
+    "smollm3-tied": (SmolLM3ForCausalLM, SmolLM3Config(**DECODER, tie_word_embeddings=True)),
+}
+
+
+def family(name, attn_implementation, **fields):
+    """The family's model with seeded random weights (biases too) and ``fields`` set on its config."""
+    model_class, config = FAMILIES[name]
+    config = copy.deepcopy(config)
+    for field, value in fields.items():
+        setattr(config, field, value)
+    torch.manual_seed(0)
+    model = model_class._from_config(config, attn_implementation=attn_implementation)
+    with torch.no_grad():
+        for param_name, param in model.named_parameters():
+            if param_name.endswith("bias"):
+                param.normal_(std=0.1)
+    return model.to(DEVICE).eval()
+
+
+def batch():
+    """Two rows of LENGTH tokens, the first left-padded by 3."""
+    generator = torch.Generator().manual_seed(1)
+    input_ids = torch.randint(3, DECODER["vocab_size"], (2, LENGTH), generator=generator).to(DEVICE)
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[0, :3] = 0
+    return input_ids, attention_mask
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_p2_matches_eager_attention(name):
+    eager, plap = family(name, "eager"), family(name, "plap", plap_p=2.0)
+    assert plap.config._attn_implementation == "plap"
+    input_ids, attention_mask = batch()
+    real = attention_mask.bool()
+    with torch.no_grad():
+        expected = eager(input_ids, attention_mask=attention_mask).logits
+        torch.testing.assert_close(plap(input_ids, attention_mask=attention_mask).logits[real], expected[real],
+                                   atol=2e-6, rtol=1e-5)
+        # The padded row gives the logits of its tokens alone.
+        torch.testing.assert_close(plap(input_ids[:1, 3:]).logits[0], expected[0, 3:], atol=2e-6, rtol=1e-5)
+    generate = dict(attention_mask=attention_mask, max_new_tokens=6, do_sample=False)
+    assert torch.equal(plap.generate(input_ids, **generate), eager.generate(input_ids, **generate))
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_paper_mix_changes_outputs(name):
+    softmax, mix = family(name, "plap", plap_p=2.0), family(name, "plap")
+    assert not hasattr(mix.config, "plap_p")  # the paper's mix by default
+    input_ids, _ = batch()
+    with torch.no_grad():
+        change = (mix(input_ids).logits - softmax(input_ids).logits).abs().max()
+    assert change > 1e-2
+
+
+def test_sliding_window_is_honoured():
+    input_ids, _ = batch()
+    with torch.no_grad():
+        windowed = family("mistral-window", "plap", plap_p=2.0)(input_ids).logits
+        full = family("mistral-window", "plap", plap_p=2.0, sliding_window=None)(input_ids).logits
+        # Tokens within the window of the start see the same keys either way; later ones do not.
+        torch.testing.assert_close(windowed[:, :4], full[:, :4])
+        assert (windowed[:, 4:] - full[:, 4:]).abs().max() > 1e-3
+        # At p != 2 every backend keeps the window: the reference (eager) against the choice of "auto".
+        reference = family("mistral-window", "plap", plap_backend="eager")(input_ids).logits
+        for backend in ("auto", "tiled"):
+            torch.testing.assert_close(family("mistral-window", "plap", plap_backend=backend)(input_ids).logits,
+                                       reference, atol=1e-5, rtol=1e-4)
+
+
+P_PER_LAYER = [[1.5, 2.0, 2.5, 3.0], [2.0, 1.25, 1.5, 2.5]]
+
+
+@pytest.mark.parametrize("formulation", ["paper", "euler"])
+@pytest.mark.parametrize("plap_p", [None, [1.5, 2.0, 2.5, 1.5], P_PER_LAYER], ids=["mix", "per-head", "per-layer"])
+def test_matches_platforcausallm(plap_p, formulation):
+    """Llama with attn_implementation="plap" computes what PlatForCausalLM with its weights computes, at any p."""
+    fields = {"plap_formulation": formulation} | ({} if plap_p is None else {"plap_p": plap_p})
+    llama = family("llama3", "plap", rope_parameters={"rope_type": "default", "rope_theta": 5e5}, **fields)
+    plat = convert_to_plat(llama, plap_p=plap_p, plap_formulation=formulation)
+    input_ids, attention_mask = batch()
+    real = attention_mask.bool()
+    with torch.no_grad():
+        torch.testing.assert_close(llama(input_ids, attention_mask=attention_mask).logits[real],
+                                   plat(input_ids, attention_mask=attention_mask).logits[real], atol=1e-5, rtol=1e-4)
+    generate = dict(attention_mask=attention_mask, max_new_tokens=6, do_sample=False)
+    assert torch.equal(llama.generate(input_ids, **generate), plat.generate(input_ids, **generate))
+
+
+def test_save_and_reload(tmp_path):
+    model = family("qwen3", "plap", plap_p=[1.5, 2.5, 1.5, 2.5], plap_eps=1e-4, plap_formulation="euler")
+    input_ids, _ = batch()
+    model.save_pretrained(tmp_path / "explicit")
+    modeling_plat.mark_plap(model.config)
+    model.save_pretrained(tmp_path / "marked")
+    with torch.no_grad():
+        expected = model(input_ids).logits
+        for folder in ("explicit", "marked"):
+            # The marked checkpoint says "attn_implementation": "plap" in its config.json; the other needs the argument.
+            kwargs = {"attn_implementation": "plap"} if folder == "explicit" else {}
+            reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / folder, **kwargs).to(DEVICE).eval()
+            assert reloaded.config._attn_implementation == "plap"
+            assert (reloaded.config.plap_p, reloaded.config.plap_eps) == ([1.5, 2.5, 1.5, 2.5], 1e-4)
+            torch.testing.assert_close(reloaded(input_ids).logits, expected)
+
+
+def test_trains():
+    model = family("llama3", "plap").train()
+    input_ids, attention_mask = batch()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(5):
+        loss = model(input_ids, attention_mask=attention_mask, labels=input_ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
+
+
+def test_vit_matches_eager_and_platforimageclassification():
+    config = ViTConfig(num_hidden_layers=2, hidden_size=24, num_attention_heads=3, intermediate_size=48, image_size=16,
+                       patch_size=4, num_labels=5)
+    torch.manual_seed(0)
+    eager = ViTForImageClassification._from_config(copy.deepcopy(config), attn_implementation="eager").to(DEVICE).eval()
+    pixels = torch.randn(2, 3, 16, 16, device=DEVICE)
+    with torch.no_grad():
+        expected = eager(pixels).logits
+        for plap_p in (2.0, [1.5, 1.5, 2.5]):
+            plap = ViTForImageClassification._from_config(copy.deepcopy(config), attn_implementation="plap").to(DEVICE)
+            plap.load_state_dict(eager.state_dict())
+            plap.config.plap_p = plap_p
+            reference = expected if plap_p == 2.0 else convert_to_plat(eager, plap_p=plap_p)(pixels).logits
+            torch.testing.assert_close(plap.eval()(pixels).logits, reference, atol=1e-5, rtol=1e-4)
+    assert isinstance(convert_to_plat(eager), PlatForImageClassification)
+
+
+def test_gemma2_softcapping_is_refused_by_name():
+    model = family("gemma2", "plap", attn_logit_softcapping=50.0)
+    with pytest.raises(ValueError, match="attn_logit_softcapping"):
+        model(batch()[0])
+
+
+def test_p_that_does_not_match_the_heads_is_refused():
+    with pytest.raises(ValueError, match="one value per head"):
+        family("qwen2.5", "plap", plap_p=[1.5, 2.5])(batch()[0])
+    with pytest.raises(ValueError, match="num_hidden_layers"):
+        family("qwen2.5", "plap", plap_p=[[1.5] * 4] * 3)(batch()[0])
+
+
+def test_cross_attention_is_refused():
+    config = BartConfig(vocab_size=61, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+                        decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=32)
+    model = BartModel._from_config(config, attn_implementation="plap").to(DEVICE).eval()
+    ids = torch.randint(3, 61, (1, 8), device=DEVICE)
+    with pytest.raises(ValueError, match="cross-attention"):
+        model(input_ids=ids, decoder_input_ids=ids[:, :5])
+
+
+def test_static_cache_is_refused():
+    with pytest.raises(ValueError, match="static cache"):
+        family("llama3", "plap").generate(batch()[0], max_new_tokens=2, cache_implementation="static")
+
+
+def test_mask_is_key_padding_or_none_for_plain_patterns():
+    """Causal masks reach the fused kernels as None or (B, 1, 1, Nk): the module's is_causal adds causality."""
+    padding = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]], dtype=torch.bool, device=DEVICE)
+    assert plap_mask(2, 4, 4, attention_mask=torch.ones_like(padding), device=DEVICE) is None
+    assert torch.equal(plap_mask(2, 4, 4, attention_mask=padding, device=DEVICE), padding[:, None, None, :])
+
+
+@pytest.mark.slow
+def test_compiles_without_graph_breaks():
+    model = family("qwen3", "plap")
+    input_ids, attention_mask = batch()
+    with torch.no_grad():
+        expected = model(input_ids, attention_mask=attention_mask).logits
+        compiled = torch.compile(model, fullgraph=True)
+        torch.testing.assert_close(compiled(input_ids, attention_mask=attention_mask).logits, expected,
+                                   atol=1e-5, rtol=1e-4)
