@@ -1,16 +1,20 @@
-"""The eager p-Laplacian attention against the independent float64 reference of eq. 12 (tests/reference.py)."""
+"""The eager p-Laplacian attention against the independent float64 reference of eq. 12 (tests/reference.py), on the
+tests' device (tests/device.py)."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from device import DEVICE
 from modeling_plat import FORMULATIONS, plap_attention, plap_attention_weights
 from reference import reference_plap_attention
 
 P_VALUES = [1.1, 1.5, 2.0, 2.5, 3.0]
 
 
-def make_inputs(batch=2, heads=5, nq=7, nk=7, d=6, dv=6, dtype=torch.float64, duplicates=False, seed=0):
+def make_inputs(batch=2, heads=5, nq=7, nk=7, d=6, dv=6, dtype=torch.float64, duplicates=False, seed=0,
+                device=DEVICE):  # fmt: skip
+    """[q, k, v] requiring grad on ``device``, drawn on the CPU: the same values on every device."""
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(batch, heads, nq, d, generator=gen, dtype=dtype)
     k = torch.randn(batch, heads, nk, d, generator=gen, dtype=dtype)
@@ -19,11 +23,11 @@ def make_inputs(batch=2, heads=5, nq=7, nk=7, d=6, dv=6, dtype=torch.float64, du
         v[:, :, 1] = v[:, :, 0]  # two tokens with identical values: zero distance off the diagonal
         v[:, :, -1] = v[:, :, 0]
         k[:, :, -1] = k[:, :, 0]
-    return [t.requires_grad_() for t in (q, k, v)]
+    return [t.to(device).requires_grad_() for t in (q, k, v)]
 
 
-def padding_mask(batch, nq, nk):
-    keep = torch.ones(batch, nk, dtype=torch.bool)
+def padding_mask(batch, nq, nk, device=DEVICE):
+    keep = torch.ones(batch, nk, dtype=torch.bool, device=device)
     keep[0, :2] = False  # left padding in the first sequence
     keep[-1, -1] = False  # right padding in the last
     return keep[:, None, None, :].expand(batch, 1, nq, nk)
@@ -53,7 +57,7 @@ def check_against_reference(inputs, p, tol, **kwargs):
 @pytest.mark.parametrize("duplicates", [False, True])
 def test_matches_reference_float64(formulation, is_causal, masked, duplicates):
     inputs = make_inputs(duplicates=duplicates)
-    p = torch.tensor(P_VALUES, dtype=torch.float64)  # one head per p value
+    p = torch.tensor(P_VALUES, dtype=torch.float64, device=DEVICE)  # one head per p value
     mask = padding_mask(2, 7, 7) if masked else None
     check_against_reference(inputs, p, 1e-8, attn_mask=mask, is_causal=is_causal, formulation=formulation)
 
@@ -69,7 +73,7 @@ def test_matches_reference_float32_single_p(formulation, p):
 def test_cache_alignment_fewer_queries_than_keys(formulation):
     """With a KV cache, query i is the token at key position Nk - Nq + i (bottom-right alignment)."""
     inputs = make_inputs(nq=3, nk=8)
-    p = torch.tensor(P_VALUES, dtype=torch.float64)
+    p = torch.tensor(P_VALUES, dtype=torch.float64, device=DEVICE)
     check_against_reference(inputs, p, 1e-8, is_causal=True, formulation=formulation)
     # ... and equals the last rows of the full computation
     q_full, k, v = make_inputs(nq=8, nk=8)
@@ -86,7 +90,7 @@ def test_p2_is_softmax_attention(is_causal, formulation):
     for m in (None, mask):
         ours = plap_attention(q, k, v, 2.0, attn_mask=m, is_causal=is_causal, formulation=formulation)
         if m is not None and is_causal:
-            m = m & torch.ones(11, 11, dtype=torch.bool).tril()
+            m = m & torch.ones(11, 11, dtype=torch.bool, device=DEVICE).tril()
             sdpa = F.scaled_dot_product_attention(q, k, v, attn_mask=m)
         else:
             sdpa = F.scaled_dot_product_attention(q, k, v, attn_mask=m, is_causal=is_causal)
@@ -96,7 +100,7 @@ def test_p2_is_softmax_attention(is_causal, formulation):
 @pytest.mark.parametrize("formulation", ["paper", "euler"])
 def test_fully_masked_rows_give_zeros_and_finite_gradients(formulation):
     q, k, v = make_inputs(dtype=torch.float32)
-    mask = torch.ones(2, 1, 7, 7, dtype=torch.bool)
+    mask = torch.ones(2, 1, 7, 7, dtype=torch.bool, device=DEVICE)
     mask[0, :, 3] = False  # query 3 of the first sequence may attend to nothing
     mask[1] = False  # the whole second sequence is padding
     out = plap_attention(q, k, v, [1.5, 1.5, 2.0, 2.5, 3.0], attn_mask=mask, formulation=formulation)
@@ -128,7 +132,7 @@ def test_duplicate_tokens_float32_stay_finite():
 def test_paper_diagonal_weight_is_eps_power():
     """p < 2: the token's own weight is A[x, x] * eps ** ((p - 2) / 2), eq. 12 taken literally."""
     q, k, v = (t.detach() for t in make_inputs(heads=1))
-    weights = plap_attention_weights(q, k, v, torch.tensor([1.5]), eps=1e-6)
+    weights = plap_attention_weights(q, k, v, torch.tensor([1.5], device=DEVICE), eps=1e-6)
     attn = torch.softmax(q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5, dim=-1)
     torch.testing.assert_close(weights.diagonal(dim1=-2, dim2=-1), attn.diagonal(dim1=-2, dim2=-1) * 1e-6**-0.25)
 
@@ -136,10 +140,10 @@ def test_paper_diagonal_weight_is_eps_power():
 def test_the_factorial_splits_eq_12_into_self_weight_and_p_weighting():
     """noself is eq. 12 with the self pair's P = 1; selfweight is softmax with eq. 12's self pair alone."""
     q, k, v = (t.detach() for t in make_inputs())
-    p = torch.tensor(P_VALUES, dtype=torch.float64)
+    p = torch.tensor(P_VALUES, dtype=torch.float64, device=DEVICE)
     weights = {name: plap_attention_weights(q, k, v, p, formulation=name) for name in ("paper", "noself", "selfweight")}
     attn = plap_attention_weights(q, k, v, torch.full_like(p, 2.0))  # softmax
-    own = torch.eye(7, dtype=torch.bool)
+    own = torch.eye(7, dtype=torch.bool, device=DEVICE)
     torch.testing.assert_close(weights["noself"][..., own], attn[..., own])
     torch.testing.assert_close(weights["noself"][..., ~own], weights["paper"][..., ~own])
     torch.testing.assert_close(weights["selfweight"][..., own], weights["paper"][..., own])
@@ -148,8 +152,9 @@ def test_the_factorial_splits_eq_12_into_self_weight_and_p_weighting():
 
 def test_euler_weights_rows_sum_to_one():
     q, k, v = (t.detach() for t in make_inputs())
-    weights = plap_attention_weights(q, k, v, torch.tensor(P_VALUES, dtype=torch.float64), formulation="euler")
-    torch.testing.assert_close(weights.sum(-1), torch.ones(weights.shape[:-1], dtype=weights.dtype))
+    p = torch.tensor(P_VALUES, dtype=torch.float64, device=DEVICE)
+    weights = plap_attention_weights(q, k, v, p, formulation="euler")
+    torch.testing.assert_close(weights.sum(-1), torch.ones(weights.shape[:-1], dtype=weights.dtype, device=DEVICE))
 
 
 @pytest.mark.parametrize(
@@ -161,13 +166,15 @@ def test_euler_weights_rows_sum_to_one():
         (dict(eps=0.0), "eps"),
         (dict(formulation="implicit"), "formulation"),
         (dict(backend="cuda-magic"), "backend"),
-        (dict(attn_mask=torch.ones(3, 3, dtype=torch.bool)), "broadcast"),
-        (dict(attn_mask=torch.ones(7, 7)), "boolean"),
+        (dict(attn_mask=(3, 3), mask_dtype=torch.bool), "broadcast"),
+        (dict(attn_mask=(7, 7), mask_dtype=torch.float32), "boolean"),
     ],
 )
 def test_bad_arguments_raise_clear_errors(kwargs, message):
     q, k, v = make_inputs()
     args = dict(p=1.5) | kwargs
+    if "attn_mask" in args:  # built here, on the tests' device
+        args["attn_mask"] = torch.ones(args["attn_mask"], dtype=args.pop("mask_dtype"), device=DEVICE)
     with pytest.raises(ValueError, match=message):
         plap_attention(q, k, v, **args)
 

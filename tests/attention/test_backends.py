@@ -1,10 +1,9 @@
 """Every p-Laplacian attention backend against the independent float64 reference (tests/reference.py).
 
-Outputs and the gradients of q, k and v, as relative errors ||ours - ref|| / ||ref||, over awkward shapes.
-Without CUDA the Triton kernels run under the Triton interpreter (tests/conftest.py sets TRITON_INTERPRET=1
-before anything imports the Triton module). The interpreter
-cannot multiply bfloat16 tensors (tl.dot treats their bits as integers, triton-lang/triton#11584), so
-there the half-precision case is float16.
+Outputs and the gradients of q, k and v, as relative errors ||ours - ref|| / ||ref||, over awkward shapes, on
+the tests' device (tests/device.py). On the CPU the Triton kernels run under the Triton interpreter
+(tests/conftest.py sets TRITON_INTERPRET=1 before anything imports the Triton module), whose half-precision case
+is float16 (TRITON_HALF); on a GPU they are compiled, bfloat16 included.
 """
 
 import importlib
@@ -18,18 +17,19 @@ from modeling_plat import plap_attention_triton as triton_module
 from modeling_plat.plap_attention import EAGER_MAX_SCORES_PER_THREAD_CPU, choose_backend
 from modeling_plat.plap_attention_decode import DECODE_MAX_QUERIES
 from modeling_plat.plap_attention_tiled import plap_attention_tiled
+from device import DEVICE, ON_CUDA, TRITON_HALF, needs_cuda
 from reference import reference_plap_attention
 
 # The package exports the function plap_attention under the module's name.
 plap_attention_module = importlib.import_module("modeling_plat.plap_attention")
 TRITON_MISSING = triton_module.triton is None
 needs_triton = pytest.mark.skipif(TRITON_MISSING, reason="triton is not installed (pip install triton)")
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOLERANCE = {torch.float64: 1e-8, torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 2e-2}
 P_MIX = (1.1, 1.5, 2.0, 2.5, 3.0)
 
 
-def make_inputs(batch, heads, nq, nk, d, dv, dtype, seed=0, duplicates=False):
+def make_inputs(batch, heads, nq, nk, d, dv, dtype, seed=0, duplicates=False, device=DEVICE):
+    """[q, k, v] requiring grad and p per head, on ``device``: drawn on the CPU, the same values on every device."""
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(batch, heads, nq, d, generator=gen, dtype=torch.float64)
     k = torch.randn(batch, heads, nk, d, generator=gen, dtype=torch.float64)
@@ -38,10 +38,10 @@ def make_inputs(batch, heads, nq, nk, d, dv, dtype, seed=0, duplicates=False):
         v[:, :, 1] = v[:, :, 0]  # zero distance off the diagonal, and for p < 2 a huge weight
         v[:, :, -1] = v[:, :, 0]
     p = torch.tensor([P_MIX[h % len(P_MIX)] for h in range(heads)])
-    return [t.to(DEVICE, dtype).requires_grad_() for t in (q, k, v)], p.to(DEVICE)
+    return [t.to(device, dtype).requires_grad_() for t in (q, k, v)], p.to(device)
 
 
-def make_mask(kind, batch, heads, nq, nk):
+def make_mask(kind, batch, heads, nq, nk, device=DEVICE):
     """None, key padding (B, 1, 1, Nk) with one sequence fully masked, or a full (B, H, Nq, Nk) mask."""
     if kind is None:
         return None
@@ -50,10 +50,10 @@ def make_mask(kind, batch, heads, nq, nk):
         keep = torch.ones(batch, nk, dtype=torch.bool)
         keep[0, :3] = False  # left padding
         keep[-1, :] = False  # a sequence with every key masked: its rows output zeros
-        return keep[:, None, None, :].to(DEVICE)
+        return keep[:, None, None, :].to(device)
     keep = torch.rand(batch, heads, nq, nk, generator=gen) > 0.4
     keep[0, 0, nq // 2] = False  # one fully masked row
-    return keep.to(DEVICE)
+    return keep.to(device)
 
 
 def relative_error(actual, expected):
@@ -227,29 +227,34 @@ def test_p_requiring_grad():
 
 
 def test_auto_backend_choice():
-    """A few queries: decode. On CPU eager up to EAGER_MAX_SCORES_PER_THREAD_CPU scores per thread, tiled above."""
+    """A few queries: decode. On CPU eager up to EAGER_MAX_SCORES_PER_THREAD_CPU scores per thread, tiled above;
+    on CUDA the fused kernels whatever the size."""
     limit = EAGER_MAX_SCORES_PER_THREAD_CPU * torch.get_num_threads()
     rows = 8
     query = torch.zeros(1, 1, rows, 4, device=DEVICE)
     keys_at_limit, keys_above = (torch.zeros(1, 1, 1, 4, device=DEVICE).expand(1, 1, n, 4)
                                  for n in (limit // rows, limit // rows + 1))  # fmt: skip
     assert chosen("auto", query[:, :, :DECODE_MAX_QUERIES], keys_above) == "decode"
-    if DEVICE == "cpu":
+    if not ON_CUDA:
         assert chosen("auto", query, keys_at_limit) == "eager"
         assert chosen("auto", query, keys_above) == "tiled"
+    elif not TRITON_MISSING:
+        assert chosen("auto", query, keys_at_limit) == chosen("auto", query, keys_above) == "triton"
     with pytest.raises(ValueError, match="backend must be one of"):
         chosen("flash", query)
 
 
 def test_triton_unavailable_is_an_error(monkeypatch):
-    query = torch.zeros(1, 1, 4, 4)
+    # CPU tensors on purpose: outside the interpreter (a GPU machine, or here once the flag is off) they are refused.
+    cpu_query = torch.zeros(1, 1, 4, 4, device="cpu")
     monkeypatch.setattr(triton_module, "INTERPRETED", False)
     if not TRITON_MISSING:
         with pytest.raises(ValueError, match="need CUDA tensors"):
-            chosen("triton", query)
+            chosen("triton", cpu_query)
+    # Without Triton, the tensors the kernels would otherwise run (the interpreter's CPU ones, or CUDA ones) say so.
     monkeypatch.setattr(triton_module, "triton", None)
     with pytest.raises(ValueError, match="triton is not installed"):
-        chosen("triton", query)
+        chosen("triton", torch.zeros(1, 1, 4, 4, device=DEVICE))
 
 
 @needs_triton
@@ -262,7 +267,7 @@ def test_triton_rejects_general_masks():
 
 
 TRITON_SHAPES = [(2, 3, 33, 33, 16, 16), (2, 2, 17, 33, 16, 24)]
-TRITON_DTYPES = [torch.float32, torch.bfloat16 if DEVICE == "cuda" else torch.float16]
+TRITON_DTYPES = [torch.float32, TRITON_HALF]
 
 
 @needs_triton
@@ -304,6 +309,21 @@ def test_triton_awkward_shapes(shape, formulation):
           is_causal=True, formulation=formulation)  # fmt: skip
 
 
+@needs_cuda
+@needs_triton
+@pytest.mark.parametrize("formulation", ["paper", "euler"])
+@pytest.mark.parametrize("mask", [None, "padding"])
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(2, 5, 200, 200, 64, 64), (2, 5, 77, 200, 64, 64)], ids=str)
+def test_triton_compiled_for_this_gpu(shape, dtype, is_causal, mask, formulation):
+    """The kernels as models run them on a GPU: compiled, with this GPU's launch configuration (not the small test
+    blocks), bfloat16 on tensor cores, over lengths that span several tiles and end in partial ones."""
+    inputs, p = make_inputs(*shape, dtype)
+    run = lambda *a, **kw: plap_attention(*a, **kw, backend="triton")  # noqa: E731
+    check(run, inputs, p, dtype, attn_mask=make_mask(mask, *shape[:4]), is_causal=is_causal, formulation=formulation)
+
+
 def test_triton_module_imports_without_triton(monkeypatch):
     import builtins
 
@@ -319,4 +339,5 @@ def test_triton_module_imports_without_triton(monkeypatch):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     assert module.triton is None
-    assert "not installed" in module.triton_unsupported_reason(*[torch.zeros(1, 1, 2, 2)] * 3, p=(1.5,))
+    probe = torch.zeros(1, 1, 2, 2, device=DEVICE)
+    assert "not installed" in module.triton_unsupported_reason(probe, probe, probe, p=(1.5,))

@@ -4,6 +4,7 @@ reference agrees on outputs and gradients; inputs that cannot be honoured are re
 import pytest
 import torch
 
+from device import DEVICE
 from modeling_plat import plap_attention
 from test_backends import TORCH_BACKENDS, check, make_inputs, needs_triton, triton_small_blocks
 
@@ -11,8 +12,8 @@ from test_backends import TORCH_BACKENDS, check, make_inputs, needs_triton, trit
 LENGTHS = [[5, 11, 1, 20], [37]]
 
 
-def document_ids(lengths):
-    return torch.tensor([[doc for doc, n in enumerate(row) for _ in range(n)] for row in lengths])
+def document_ids(lengths, device=DEVICE):
+    return torch.tensor([[doc for doc, n in enumerate(row) for _ in range(n)] for row in lengths], device=device)
 
 
 BACKENDS = {name: run for name, run in TORCH_BACKENDS.items() if name != "decode"}  # decoding has no packing
@@ -50,16 +51,17 @@ def test_p2_heads_stay_inside_their_documents():
 
 
 @pytest.mark.parametrize(
-    "ids, nq, message",
+    "ids_shape, ids_dtype, nq, message",
     [
-        (torch.zeros(1, 37, dtype=torch.long), 3, "as many queries as keys"),
-        (torch.zeros(1, 36, dtype=torch.long), 37, "must be \\(B, N\\)"),
-        (torch.zeros(1, 37), 37, "integers"),
+        ((1, 37), torch.long, 3, "as many queries as keys"),
+        ((1, 36), torch.long, 37, "must be \\(B, N\\)"),
+        ((1, 37), torch.float32, 37, "integers"),
     ],
 )
 @pytest.mark.parametrize("backend", ["auto", "eager", "tiled", "triton", "decode"])
-def test_packing_that_cannot_be_honoured_is_refused(ids, nq, message, backend):
+def test_packing_that_cannot_be_honoured_is_refused(ids_shape, ids_dtype, nq, message, backend):
     (q, k, v), p = make_inputs(1, 3, 37, 37, 16, 16, torch.float32)
+    ids = torch.zeros(ids_shape, dtype=ids_dtype, device=DEVICE)
     with pytest.raises(ValueError, match=message):
         plap_attention(q[:, :, -nq:], k, v, p, is_causal=True, document_ids=ids, backend=backend)
 
@@ -69,5 +71,5 @@ def test_document_ids_compare_as_values(backend):
     """A token attends to every token with its document id, also where that id comes back after another
     document (the reference's rule), and ids need not be small or sorted."""
     inputs, p = make_inputs(2, 3, 37, 37, 16, 16, torch.float32)
-    ids = torch.tensor([[9] * 7 + [-4] * 12 + [9] * 18, [5] * 20 + [1000] * 17])
+    ids = torch.tensor([[9] * 7 + [-4] * 12 + [9] * 18, [5] * 20 + [1000] * 17], device=DEVICE)
     check(BACKENDS[backend], inputs, p, torch.float32, is_causal=False, formulation="paper", document_ids=ids)
