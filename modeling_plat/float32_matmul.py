@@ -25,20 +25,6 @@ def _split_bmm(a, b, bmm=torch.bmm):
     return bmm(a_high, b_high) + (bmm(a_high, b_low) + bmm(a_low, b_high))
 
 
-class _SplitBmm(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, a, b):
-        ctx.save_for_backward(a, b)
-        return _split_bmm(a, b)
-
-    @staticmethod
-    def backward(ctx, grad):
-        a, b = ctx.saved_tensors
-        grad_a = _split_bmm(grad, b.transpose(1, 2)) if ctx.needs_input_grad[0] else None
-        grad_b = _split_bmm(a.transpose(1, 2), grad) if ctx.needs_input_grad[1] else None
-        return grad_a, grad_b
-
-
 # Dynamo cannot trace the precision getter (a graph break per call, and none with fullgraph=True): a compiled
 # graph reads the setting once, while it is traced, and keeps what it read.
 @torch.compiler.assume_constant_result
@@ -55,23 +41,15 @@ def _tf32_may_round(tensor):
     return tensor.dtype == torch.float32 and tensor.device.type == "cuda" and _cuda_matmul_allows_tf32()
 
 
-def float32_baddbmm(input, batch1, batch2, alpha=1):
-    """``torch.baddbmm(input, batch1, batch2, alpha=alpha)`` to float32 accuracy, also under TF32.
+def float32_baddbmm_(input, batch1, batch2, alpha=1):
+    """In place, ``input.baddbmm_(batch1, batch2, alpha=alpha)`` to float32 accuracy, also under TF32; outside
+    autograd (the tiled backend's accumulations).
 
-    For the matmuls that form a squared distance |x|^2 + |y|^2 - 2 x.y or multiply its gradient: where CUDA
-    runs float32 matmuls in TF32, the 2^-11 rounding of their inputs becomes an O(1) error of near-coinciding
-    values after the cancellation, exactly where the p-Laplacian weight is largest. There, each float32
-    operand is split into a TF32 part and the rest and three matmuls make up the product (also in backward);
-    elsewhere this is torch.baddbmm.
+    For the matmuls that form a squared distance |x|^2 + |y|^2 - 2 x.y or multiply its gradient: where CUDA runs
+    float32 matmuls in TF32, the 2^-11 rounding of their inputs becomes an O(1) error of near-coinciding values
+    after the cancellation, exactly where the p-Laplacian weight is largest. There, each float32 operand is split
+    into a TF32 part and the rest and three matmuls make up the product; elsewhere this is ``baddbmm_``.
     """
     if _tf32_may_round(batch1):
-        return torch.add(input, _SplitBmm.apply(batch1, batch2), alpha=alpha)
-    return torch.baddbmm(input, batch1, batch2, alpha=alpha)
-
-
-def float32_baddbmm_(input, batch1, batch2, alpha=1):
-    """In place, ``input.baddbmm_(batch1, batch2, alpha=alpha)`` to float32 accuracy (see ``float32_baddbmm``);
-    for accumulations outside autograd, such as the tiled backend's."""
-    if _tf32_may_round(batch1):
-        return input.add_(_SplitBmm.apply(batch1, batch2), alpha=alpha)
+        return input.add_(_split_bmm(batch1, batch2), alpha=alpha)
     return input.baddbmm_(batch1, batch2, alpha=alpha)

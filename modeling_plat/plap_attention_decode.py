@@ -3,10 +3,13 @@
 Same maths as ``plap_attention_reference`` for Nq <= DECODE_MAX_QUERIES queries (the last Nq tokens) against Nk
 keys. With so few queries the squared distances are formed by direct differences, O(Nq Nk dv) like the
 expansion and exact: no cancellation to guard against, the self pair is an exact 0 by itself, and no (Nq, Nk)
-self-pair or causal mask is built for a single query (which sees every key).
+self-pair or causal mask is built for a single query (which sees every key). Coinciding pairs (the reference's
+COINCIDING rule) are an exact 0 with no gradient, as in every backend.
 """
 
 import torch
+
+from .plap_attention_reference import COINCIDING
 
 # Queries per call up to which the direct differences (B, H, Nq, Nk, dv) stay cheaper than the matmul expansion
 # and the mask tensors of the reference: one decoded token, or a few of speculative decoding.
@@ -50,6 +53,9 @@ def plap_attention_decode(
             scores = scores.masked_fill(~allowed, torch.finfo(compute_dtype).min)
         attn = torch.softmax(scores, dim=-1)
         d2 = (v[:, :, None] - v_own[:, :, :, None]).square().sum(-1)  # (B, H, Nq, Nk), exact 0 on the self pair
+        sq_norm = v.square().sum(-1)  # (B, H, Nk)
+        coinciding = d2 <= COINCIDING * (sq_norm[:, :, None] + sq_norm[:, :, num_keys - num_queries :, None])
+        d2 = torch.where(coinciding, 0.0, d2)
         weights = attn * (d2 + eps).pow(_exponent(tuple(p), compute_dtype, q.device))
         out = weights @ v  # (B, H, Nq, dv)
         if formulation == "euler":

@@ -16,13 +16,28 @@ Two more formulations split eq. 12 into its parts (a 2 x 2 factorial with softma
 
 With p = 2 every formulation is plain softmax attention. P is always computed in float32 or wider: eps = 1e-6 is
 below fp16 resolution and the (p - 4) / 2 powers of the backward overflow half types.
+
+Where values coincide (a repeated token's value in a first layer) D2 = 0 and P takes its largest value, eps ** c
+with c = (p - 2) / 2. The expansion |v_x|^2 + |v_y|^2 - 2 v_x.v_y that every backend uses for speed rounds to about
+u (|v_x|^2 + |v_y|^2), far above eps, so each backend computes D2 accurately where it is small against the norms
+(the rule below, docs/numerics.md): this module by the expansion in float64, the others by direct differences of
+the close pairs. Pairs whose accurate D2 is at most COINCIDING (|v_x|^2 + |v_y|^2) coincide: D2 = 0, no gradient.
 """
 
 from typing import NamedTuple
 
 import torch
 
-from .float32_matmul import float32_baddbmm
+
+# Pairs whose expanded D2 is at most CLOSE_PAIR (|v_x|^2 + |v_y|^2) have D2 recomputed by direct differences by the
+# tiled, decode and Triton backends. Above it the expansion's rounding, at most (d + 2) u (|v_x|^2 + |v_y|^2), is at
+# most (d + 2) u / CLOSE_PAIR of D2; random pairs of a head size above 4 practically never fall below it.
+CLOSE_PAIR = 2.0**-8
+# Pairs whose D2 is at most COINCIDING (|v_x|^2 + |v_y|^2) coincide: D2 = 0 and no gradient through D2, like the
+# self pair. The gradient dropped, 2 dL/dD2 (v_x - v_y), is then below the float32 rounding of the matmuls that
+# form the distance gradient, 2 dL/dD2 v_x - 2 dL/dD2 v_y (|v_x - v_y| <= 2^-21.5 (|v_x| + |v_y|)), and P changes
+# by a relative |c| D2 / eps at most; float64's expansion errs by far less than the bound.
+COINCIDING = 2.0**-44
 
 
 class Formulation(NamedTuple):
@@ -65,18 +80,19 @@ def self_pairs(num_queries, num_keys, device):
 
 
 def squared_value_distances(value, num_queries):
-    """D2[x, y] = ||v_x - v_y||^2 for the last ``num_queries`` values x against all values y.
+    """D2[x, y] = ||v_x - v_y||^2 for the last ``num_queries`` values x against all values y, in ``value``'s dtype.
 
-    Uses |v_x|^2 + |v_y|^2 - 2 v_x.v_y (one matmul, like torch.cdist, float32-exact: see
-    ``float32_baddbmm``), clamped at 0 against rounding, and sets the self pairs to an exact 0 with no gradient.
+    The expansion |v_x|^2 + |v_y|^2 - 2 v_x.v_y (one matmul, like torch.cdist) in float64, whose rounding lies far
+    below eps and COINCIDING: coinciding pairs (the self pairs among them) are an exact 0 with no gradient.
     """
     num_keys = value.shape[-2]
-    flat = value.flatten(0, -3)  # (B * H, Nk, dv)
+    flat = value.flatten(0, -3).double()  # (B * H, Nk, dv)
     v_query = flat[:, num_keys - num_queries :]  # (BH, Nq, dv)
-    sq_norm = flat.pow(2).sum(-1)  # (BH, Nk)
-    d2 = float32_baddbmm(sq_norm[:, None, :], v_query, flat.transpose(1, 2), alpha=-2)  # |v_y|^2 - 2 v_x.v_y
-    d2 = (d2 + sq_norm[:, num_keys - num_queries :, None]).clamp_min(0).unflatten(0, value.shape[:-2])
-    return torch.where(self_pairs(num_queries, num_keys, value.device), 0.0, d2)  # (B, H, Nq, Nk)
+    sq_norm = flat.square().sum(-1)  # (BH, Nk)
+    sq_query = sq_norm[:, num_keys - num_queries :, None]  # (BH, Nq, 1)
+    d2 = torch.baddbmm(sq_norm[:, None, :], v_query, flat.transpose(1, 2), alpha=-2).add_(sq_query)
+    coinciding = d2 <= COINCIDING * (sq_query + sq_norm[:, None, :])  # (BH, Nq, Nk), self pairs included
+    return torch.where(coinciding, 0.0, d2).to(value.dtype).unflatten(0, value.shape[:-2])  # (B, H, Nq, Nk)
 
 
 def plap_attention_weights(

@@ -42,6 +42,7 @@ import torch
 
 from .custom_ops import op_name, register_backward
 from .float32_matmul import float32_baddbmm_
+from .plap_attention_reference import CLOSE_PAIR, COINCIDING
 
 # Scores per tile (1 MiB of float32): small enough for the cache, large enough to amortise per-call overhead
 # (docs/performance.md; re-derive with `python benchmarks/bench_attention.py --backends tiled`).
@@ -166,6 +167,9 @@ class _Tiling:
         self.v_query = self.v[:, self.offset :]  # (BH, Nq, dv): each query's own value
         self.sq_norm = self.v.pow(2).sum(-1)  # (BH, Nk)
         self.sq_norm_query_eps = self.sq_norm[:, self.offset :] + eps  # (BH, Nq)
+        self.close_bound = (CLOSE_PAIR * self.sq_norm_query_eps + eps)[..., None]  # (BH, Nq, 1), on D2 + eps
+        self.close_buffer = torch.empty(self.block_b * self.heads * self.block_q * self.block_k, dtype=torch.bool,
+                                        device=query.device)  # fmt: skip
 
     def new_tile_buffer(self):
         """Scratch memory for one tile, reused by every tile of a call."""
@@ -218,20 +222,30 @@ class _Tiling:
         return self._causal_biases[key]
 
     def distances_eps(self, rows, q0, q1, k0, k1, buffer):
-        """D2 + eps of a tile, (bh, bq, bk) in ``buffer``: the one place where distances are formed.
+        """D2 + eps of a tile, (bh, bq, bk) in ``buffer``, and the indices of its coinciding pairs other than the self
+        pairs (None when it has none): the one place where distances are formed.
 
         |v_x|^2 + eps + |v_y|^2 (one broadcast add) - 2 v_x.v_y (one matmul accumulating onto it, float32-exact
-        under CUDA TF32), like torch.cdist; clamped at eps against rounding; self pairs exactly eps.
+        under CUDA TF32), like torch.cdist. Its rounding, a few u (|v_x|^2 + |v_y|^2), would decide P where values
+        (nearly) coincide: the close pairs (CLOSE_PAIR, the only ones it can take below eps) are recomputed by
+        direct differences; coinciding pairs (COINCIDING) and self pairs are exactly eps.
         """
+        shape = (rows.stop - rows.start, q1 - q0, k1 - k0)
         dist = torch.add(
-            self.sq_norm_query_eps[rows, q0:q1, None],
-            self.sq_norm[rows, None, k0:k1],
-            out=_tile(buffer, rows.stop - rows.start, q1 - q0, k1 - k0),
+            self.sq_norm_query_eps[rows, q0:q1, None], self.sq_norm[rows, None, k0:k1], out=_tile(buffer, *shape)
         )  # (bh, bq, bk)
         float32_baddbmm_(dist, self.v_query[rows, q0:q1], self.v[rows, k0:k1].transpose(1, 2), alpha=-2)
-        dist.clamp_min_(self.eps)
+        close = torch.le(dist, self.close_bound[rows, q0:q1], out=_tile(self.close_buffer, *shape))
+        self.self_diagonal(close, q0, k0).fill_(False)
         self.self_diagonal(dist, q0, k0).fill_(self.eps)
-        return dist
+        if not close.any():
+            return dist, None
+        pair, query, key = close.nonzero(as_tuple=True)  # a few pairs: repeated tokens, near duplicates
+        pair, query, key = pair + rows.start, query + q0, key + k0
+        exact = (self.v_query[pair, query] - self.v[pair, key]).square_().sum(-1)
+        coinciding = exact <= COINCIDING * (self.sq_norm[pair, query + self.offset] + self.sq_norm[pair, key])
+        dist[close] = exact.masked_fill_(coinciding, 0).add_(self.eps)
+        return dist, tuple(index[coinciding] - start for index, start in zip((pair, query, key), (rows.start, q0, k0)))
 
     def plap_weights(self, attn, dist, q0, k0, out):
         """W_used = A * (D2 + eps) ** c into ``out`` (which may be ``dist``); self pairs zeroed for euler."""
@@ -259,7 +273,7 @@ def _forward(tiling):
             new_max = tile_max.clamp_min(torch.finfo(dtype).min) if first else torch.maximum(row_max, tile_max)
             exp_scores.sub_(new_max).exp2_()
             tile_sum = exp_scores.sum(-1, keepdim=True)
-            dist = t.distances_eps(rows, q0, q1, k0, k1, dist_buffer)
+            dist, _ = t.distances_eps(rows, q0, q1, k0, k1, dist_buffer)
             weights = t.plap_weights(exp_scores, dist, q0, k0, out=dist)
             values = t.v[rows, k0:k1]
             if first:
@@ -315,7 +329,7 @@ def _backward(tiling, out, lse, own_weight, grad_out):
         ratio_rowsum = t.v.new_zeros(bh, bq, 1)
         for k0, k1 in t.key_blocks(b0, b1, q0, q1):
             attn = t.scores(rows, b0, b1, q0, q1, k0, k1, attn_buffer).sub_(lse[rows, q0:q1, None]).exp2_()  # A
-            dist = t.distances_eps(rows, q0, q1, k0, k1, dist_buffer)
+            dist, coinciding = t.distances_eps(rows, q0, q1, k0, k1, dist_buffer)
             weights = t.plap_weights(attn, dist, q0, k0, out=_tile(weights_buffer, *attn.shape))
             keys, values = t.k[rows, k0:k1], t.v[rows, k0:k1]
             grad_v_keys = torch.bmm(weights.transpose(1, 2), grad_out_block)  # (bh, bk, dv)
@@ -328,6 +342,8 @@ def _backward(tiling, out, lse, own_weight, grad_out):
             grad_k[rows, k0:k1] += torch.bmm(grad_s.transpose(1, 2), t.q[rows, q0:q1])
             ratio = product.div_(dist)  # Y = T / (D2 + eps); dL/dD2 = c Y
             t.self_diagonal(ratio, q0, k0).fill_(0)
+            if coinciding is not None:
+                ratio[coinciding] = 0
             # Y grows like 1 / (D2 + eps): these two products cancel against rowsum / colsum(Y) v, float32-exact.
             float32_baddbmm_(ratio_values, ratio, values)
             ratio_rowsum += ratio.sum(-1, keepdim=True)

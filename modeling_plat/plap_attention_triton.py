@@ -49,6 +49,7 @@ from typing import NamedTuple
 import torch
 
 from .custom_ops import op_name, register_backward
+from .plap_attention_reference import CLOSE_PAIR, COINCIDING
 
 try:
     import triton
@@ -90,6 +91,9 @@ LN_2 = constexpr(math.log(2))
 FORMULATIONS = ("paper", "euler")
 # Row max start: finite, so that rows with no allowed key so far give exp(-inf - MIN) = 0, never NaN.
 MIN_SCORE = constexpr(-1.0e38)
+# The reference's rules for close and coinciding pairs, as constants a compiled kernel can read.
+CLOSE_PAIR = constexpr(CLOSE_PAIR)
+COINCIDING = constexpr(COINCIDING)
 
 
 class KernelConfig(NamedTuple):
@@ -409,16 +413,30 @@ def _masked_scores(scores, rows, cols, num_queries, num_keys, key_keep_row, docs
 
 
 @jit
-def _distances(v_query, sq_query_eps, values, sq_keys, rows, cols, offset, eps, MASKED: constexpr,
-               QUERY_AXIS: constexpr):  # fmt: skip
-    """D2 + eps from the squared norms (eps already in the query's), self pairs exactly eps, and the self-pair
-    tile (None-free: all false where the loop split excludes self pairs, MASKED false)."""
+def _distances(v_query, sq_query_eps, values, sq_keys, V, rows, cols, num_keys, offset, eps, VALUE_DIM: constexpr,
+               MASKED: constexpr, QUERY_AXIS: constexpr):  # fmt: skip
+    """D2 + eps from the squared norms (eps already in the query's), the self-pair tile (None-free: all false where
+    the loop split excludes self pairs, MASKED false), and whether the tile has close pairs.
+
+    The expansion's rounding, a few u (|v_x|^2 + |v_y|^2), would decide P where values nearly coincide: a tile with
+    close pairs (CLOSE_PAIR; the diagonal's self pairs among them) recomputes all its pairs by direct differences,
+    one value coordinate at a time from memory (no second tile and no mask stay live across that loop), and sets
+    its coinciding pairs (COINCIDING) to exactly eps. Elsewhere the expansion is positive: no clamp."""
     cross = _pair_dot(v_query, values, QUERY_AXIS)
-    dist_eps = tl.maximum(_per_query(sq_query_eps, QUERY_AXIS) + _per_key(sq_keys, QUERY_AXIS) - 2 * cross, eps)
+    dist_eps = _per_query(sq_query_eps, QUERY_AXIS) + _per_key(sq_keys, QUERY_AXIS) - 2 * cross
+    has_close = tl.max((dist_eps <= _per_query(sq_query_eps * CLOSE_PAIR + eps, QUERY_AXIS)).to(tl.int32)) > 0
+    if has_close:
+        query_in, key_in = rows < num_keys - offset, cols < num_keys
+        dist_eps = tl.zeros_like(dist_eps)
+        for dim in range(VALUE_DIM):
+            query_side = tl.load(V + (rows + offset) * VALUE_DIM + dim, mask=query_in, other=0.0).to(tl.float32)
+            key_side = tl.load(V + cols * VALUE_DIM + dim, mask=key_in, other=0.0).to(tl.float32)
+            diff = _per_query(query_side, QUERY_AXIS) - _per_key(key_side, QUERY_AXIS)
+            dist_eps += diff * diff
+        bound = COINCIDING * (_per_query(sq_query_eps - eps, QUERY_AXIS) + _per_key(sq_keys, QUERY_AXIS))
+        dist_eps = tl.where(dist_eps <= bound, 0.0, dist_eps) + eps
     is_self = _per_key(cols, QUERY_AXIS) == _per_query(rows, QUERY_AXIS) + offset
-    if MASKED:
-        dist_eps = tl.where(is_self, eps, dist_eps)
-    return dist_eps, is_self & MASKED
+    return dist_eps, is_self & MASKED, has_close
 
 
 @jit
@@ -515,8 +533,8 @@ def _fwd_tile(q, v_query, sq_query_eps, row_max, row_sum, off_sum, acc, K, V, Sq
     rescale = tl.exp2(row_max - new_max)
     expo = tl.exp2(scores - new_max[:, None])
     row_sum = row_sum * rescale + tl.sum(expo, 1)
-    dist_eps, is_self = _distances(v_query, sq_query_eps, values, sq_keys, rows, cols, num_keys - num_queries, eps,
-                                   MASKED, 0)  # fmt: skip
+    dist_eps, is_self, _ = _distances(v_query, sq_query_eps, values, sq_keys, V, rows, cols, num_keys,
+                                      num_keys - num_queries, eps, VALUE_DIM, MASKED, 0)  # fmt: skip
     weights = expo * _power(dist_eps, _exponent(exponent, POWER), POWER)[0]
     if EULER:
         if MASKED:
@@ -582,18 +600,19 @@ def _plap_fwd_kernel(
 
 @jit
 def _tile_grads(
-    q, k, v_query, values, sq_query_eps, sq_keys, grad_out, lse, delta, own_dot, rows, cols, key_keep_row, docs,
-    num_queries, num_keys, scale_log2, exponent, eps,
+    q, k, v_query, values, sq_query_eps, sq_keys, grad_out, lse, delta, own_dot, V, rows, cols, key_keep_row, docs,
+    num_queries, num_keys, scale_log2, exponent, eps, VALUE_DIM: constexpr,
     POWER: constexpr, MASKED: constexpr, IS_CAUSAL: constexpr, HAS_KEY_MASK: constexpr, HAS_DOCUMENTS: constexpr,
     EULER: constexpr, QUERY_AXIS: constexpr,
 ):  # fmt: skip
-    """Recompute one tile: W (W_off for euler), dS and 2 dL/dD2 (0 on self pairs)."""
+    """Recompute one tile: W (W_off for euler), dS and 2 dL/dD2 (0 where D2 + eps is eps: self and coinciding
+    pairs, whose exact gradient through D2 is 0 and whose computed one would be rounding)."""
     scores = _masked_scores(_pair_dot(q, k, QUERY_AXIS) * scale_log2, rows, cols, num_queries, num_keys,
                             key_keep_row, docs, MASKED, IS_CAUSAL, HAS_KEY_MASK, HAS_DOCUMENTS,
                             QUERY_AXIS)  # fmt: skip
     attn = tl.exp2(scores - _per_query(lse, QUERY_AXIS))
-    dist_eps, is_self = _distances(v_query, sq_query_eps, values, sq_keys, rows, cols, num_keys - num_queries, eps,
-                                   MASKED, QUERY_AXIS)  # fmt: skip
+    dist_eps, is_self, has_close = _distances(v_query, sq_query_eps, values, sq_keys, V, rows, cols, num_keys,
+                                              num_keys - num_queries, eps, VALUE_DIM, MASKED, QUERY_AXIS)  # fmt: skip
     exponent = _exponent(exponent, POWER)
     power, inv_dist = _power(dist_eps, exponent, POWER)
     weights = attn * power
@@ -605,8 +624,8 @@ def _tile_grads(
     weighted = weights * grad_w
     grad_scores = weighted - attn * _per_query(delta, QUERY_AXIS)
     grad_dist = (2 * exponent) * weighted * inv_dist
-    if MASKED:
-        grad_dist = tl.where(is_self, 0.0, grad_dist)
+    if has_close:
+        grad_dist = tl.where(dist_eps == eps, 0.0, grad_dist)
     return weights, grad_scores, grad_dist
 
 
@@ -640,9 +659,9 @@ def _dkdv_tile(grad_k, grad_v, grad_dist_sum, k, values, sq_keys, cols, start, s
     )
     # (keys, queries) tiles
     weights, grad_scores, grad_dist = _tile_grads(
-        q, k, v_query, values, sq_query_eps, sq_keys, grad_out, lse, delta, own_dot, rows, cols, key_keep_row, docs,
-        num_queries, num_keys, scale_log2, exponent, eps, POWER, MASKED, IS_CAUSAL, HAS_KEY_MASK, HAS_DOCUMENTS,
-        EULER, 1,
+        q, k, v_query, values, sq_query_eps, sq_keys, grad_out, lse, delta, own_dot, V, rows, cols, key_keep_row,
+        docs, num_queries, num_keys, scale_log2, exponent, eps, VALUE_DIM, POWER, MASKED, IS_CAUSAL, HAS_KEY_MASK,
+        HAS_DOCUMENTS, EULER, 1,
     )  # fmt: skip
     grad_v += tl.dot(weights.to(grad_out.dtype), grad_out, input_precision=FLOAT32_DOT)
     grad_k += tl.dot(grad_scores.to(q.dtype), q, input_precision=FLOAT32_DOT)
@@ -706,9 +725,9 @@ def _dq_tile(grad_q, grad_v_own, grad_dist_sum, q, v_query, sq_query_eps, grad_o
     values = _load_rows(V, cols, num_keys, VALUE_DIM, BLOCK_DV)
     sq_keys = tl.load(SqNorms + cols, mask=cols < num_keys, other=0.0)
     weights, grad_scores, grad_dist = _tile_grads(
-        q, k, v_query, values, sq_query_eps, sq_keys, grad_out, lse, delta, own_dot, rows, cols, key_keep_row, docs,
-        num_queries, num_keys, scale_log2, exponent, eps, POWER, MASKED, IS_CAUSAL, HAS_KEY_MASK, HAS_DOCUMENTS,
-        EULER, 0,
+        q, k, v_query, values, sq_query_eps, sq_keys, grad_out, lse, delta, own_dot, V, rows, cols, key_keep_row,
+        docs, num_queries, num_keys, scale_log2, exponent, eps, VALUE_DIM, POWER, MASKED, IS_CAUSAL, HAS_KEY_MASK,
+        HAS_DOCUMENTS, EULER, 0,
     )  # fmt: skip
     grad_q += tl.dot(grad_scores.to(k.dtype), k, input_precision=FLOAT32_DOT)
     grad_v_own = _exact_dot(-grad_dist, values, grad_v_own)

@@ -1,0 +1,208 @@
+"""Repeated and nearly repeated values against the float64 reference, in every backend.
+
+A repeated token has exactly the value of its earlier occurrences in a first layer: D2 = 0 and P = eps^((p - 2) / 2),
+the largest weight there is. The |v_x|^2 + |v_y|^2 - 2 v_x.v_y expansion rounds such a D2 to about
+u (|v_x|^2 + |v_y|^2), far above eps; each backend must compute it as eq. 12 defines it (docs/numerics.md). Inputs:
+exact duplicates across tile borders, a run of repeats, and near duplicates at several distances per coordinate;
+p from 1 to 3 in both formulations. Relative errors ||ours - ref|| / ||ref|| as in test_backends.py.
+"""
+
+import pytest
+import torch
+from device import DEVICE, TRITON_HALF
+from reference import reference_plap_attention
+from test_backends import TORCH_BACKENDS, TRITON_MISSING, relative_error, triton_small_blocks
+from tiny import LLAMA_SHAPE, lm
+from transformers import DataCollatorWithFlattening
+
+from modeling_plat.plap_attention_reference import squared_value_distances
+
+P = (1.0, 1.5, 2.5, 3.0)
+U = 2.0**-24
+# (B, H, Nq, Nk, d, dv); the small-block backends (16 or 24 keys a block) see the repeats in other tiles.
+SHAPE = (2, 4, 40, 40, 16, 16)
+# Positions of the copies of position 3's value: the same tile, the next ones, the last (partial) tile.
+COPIES = (5, 17, 30, 39)
+# Near duplicates (values this far apart per coordinate) are not coinciding: their distance must be resolved.
+NEAR = (1e-2, 1e-3, 1e-4)
+
+
+def repeated_inputs(kind, dtype, shape=SHAPE, delta=0.0, seed=0):
+    """q, k, v (requiring grad) with repeated values: "copies" of one value at COPIES, a "run" of equal values
+    (positions 8 to 20), or "near" copies ``delta`` apart per coordinate."""
+    batch, heads, nq, nk, d, dv = shape
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    q = torch.randn(batch, heads, nq, d, generator=gen, dtype=torch.float64, device=DEVICE)
+    k = torch.randn(batch, heads, nk, d, generator=gen, dtype=torch.float64, device=DEVICE)
+    v = torch.randn(batch, heads, nk, dv, generator=gen, dtype=torch.float64, device=DEVICE)
+    v = v.to(dtype).double()  # the copies below are exact in the inputs' dtype, the offsets nearly so
+    if kind == "run":
+        v[:, :, 8:21] = v[:, :, 8:9]
+    else:
+        for position in COPIES:
+            if position < nk:
+                sign = torch.randint(0, 2, (batch, heads, dv), generator=gen, device=DEVICE) * 2 - 1
+                v[:, :, position] = v[:, :, 3] + delta * sign
+    return [t.to(dtype).requires_grad_() for t in (q, k, v)]
+
+
+def errors(run, inputs, p=P, **kwargs):
+    """Relative errors of out, dq, dk, dv against the float64 reference on the same (rounded) inputs."""
+    out = run(*inputs, torch.tensor(p, device=DEVICE), **kwargs)
+    grad_out = torch.randn(out.shape, generator=torch.Generator(device=DEVICE).manual_seed(2), dtype=torch.float64,
+                           device=DEVICE)  # fmt: skip
+    grads = torch.autograd.grad(out, inputs, grad_out.to(out.dtype))
+    ref_inputs = [t.detach().double().requires_grad_() for t in inputs]
+    ref = reference_plap_attention(*ref_inputs, torch.tensor(p, dtype=torch.float64, device=DEVICE), **kwargs)
+    ref_grads = torch.autograd.grad(ref, ref_inputs, grad_out)
+    for ours in (out, *grads):
+        assert torch.isfinite(ours).all()
+    return {name: relative_error(ours, theirs)
+            for name, ours, theirs in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref, *ref_grads))}  # fmt: skip
+
+
+def grad_bound(delta, dtype):
+    """docs/numerics.md: the distance gradient of pairs delta apart per coordinate is accurate to about
+    u |v| / |v_x - v_y| = u / delta for unit-sized coordinates, besides the usual float32 (half) rounding."""
+    return (1e-4 if dtype == torch.float32 else 1e-2) + 16 * U / delta
+
+
+BACKENDS = {**TORCH_BACKENDS, "triton": triton_small_blocks}
+BACKENDS.pop("decode")  # a few queries only: test_decode below
+# The Triton interpreter takes ~10 s a case: one of each pair of cases runs by default, the rest with -m slow.
+SLOW = pytest.mark.slow
+
+
+def cases(backend_names, *params, slow_triton):
+    """pytest.params of (backend, *param) for each backend and param tuple; Triton's ``slow_triton`` ones slow."""
+    return [pytest.param(name, *param, marks=SLOW if name == "triton" and param in slow_triton else ())
+            for name in backend_names for param in params]  # fmt: skip
+
+
+def skip_missing(backend):
+    if backend == "triton" and TRITON_MISSING:
+        pytest.skip("triton is not installed (pip install triton)")
+
+
+@pytest.mark.parametrize(
+    "backend,kind,formulation",
+    cases(BACKENDS, ("copies", "paper"), ("copies", "euler"), ("run", "paper"), ("run", "euler"),
+          slow_triton=[("copies", "euler"), ("run", "paper")]),
+)  # fmt: skip
+def test_exact_duplicates_float32(backend, kind, formulation):
+    skip_missing(backend)
+    inputs = repeated_inputs(kind, torch.float32)
+    found = errors(BACKENDS[backend], inputs, is_causal=kind == "run", formulation=formulation)
+    assert max(found.values()) <= 1e-4, found
+
+
+@pytest.mark.parametrize(
+    "backend,delta,formulation",
+    cases(BACKENDS, *[(delta, formulation) for delta in NEAR for formulation in ("paper", "euler")],
+          slow_triton=[(1e-2, "paper"), (1e-2, "euler"), (1e-3, "euler"), (1e-4, "paper")]),
+)  # fmt: skip
+def test_near_duplicates_float32(backend, delta, formulation):
+    skip_missing(backend)
+    inputs = repeated_inputs("copies", torch.float32, delta=delta)
+    found = errors(BACKENDS[backend], inputs, formulation=formulation)
+    assert found["out"] <= 1e-3, found
+    assert max(found.values()) <= grad_bound(delta, torch.float32), found
+
+
+HALF_CASES = [("tiled", torch.bfloat16), ("tiled", torch.float16), ("tiled-small-blocks", torch.bfloat16),
+              ("triton", TRITON_HALF)]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "backend,dtype,delta,formulation",
+    [pytest.param(backend, dtype, delta, formulation,
+                  marks=SLOW if backend == "triton" and (delta == 0) == (formulation == "euler") else ())
+     for backend, dtype in HALF_CASES for delta in (0.0, 1e-3) for formulation in ("paper", "euler")],
+)  # fmt: skip
+def test_half_precision(backend, dtype, delta, formulation):
+    skip_missing(backend)
+    inputs = repeated_inputs("copies", dtype, delta=delta)
+    found = errors(BACKENDS[backend], inputs, is_causal=True, formulation=formulation)
+    assert found["out"] <= 1e-2, found
+    assert max(found.values()) <= (1e-2 if delta == 0 else grad_bound(delta, dtype)), found
+
+
+@pytest.mark.parametrize("formulation", ["paper", "euler"])
+@pytest.mark.parametrize("delta", [0.0, *NEAR])
+def test_decode(delta, formulation):
+    """A few new queries whose values repeat cached ones (positions 3 and 39 are both in the last four)."""
+    inputs = repeated_inputs("copies", torch.float32, delta=delta)
+    inputs[0] = inputs[0][:, :, -4:].detach().requires_grad_()
+    found = errors(TORCH_BACKENDS["decode"], inputs, is_causal=True, formulation=formulation)
+    assert found["out"] <= (1e-4 if delta == 0 else 1e-3), found
+    assert max(found.values()) <= (1e-4 if delta == 0 else grad_bound(delta, torch.float32)), found
+
+
+@pytest.mark.parametrize("formulation", ["noself", "selfweight"])
+def test_study_formulations(formulation):
+    inputs = repeated_inputs("copies", torch.float32)
+    found = errors(TORCH_BACKENDS["eager"], inputs, is_causal=True, formulation=formulation)
+    assert max(found.values()) <= 1e-4, found
+
+
+def test_coinciding_pairs_are_an_exact_zero_with_no_gradient():
+    """Exact duplicates: D2 = 0 exactly, so P = eps^c exactly, and no gradient flows through it."""
+    (_, _, value) = repeated_inputs("copies", torch.float32)
+    d2 = squared_value_distances(value, value.shape[-2])
+    pairs = d2[:, :, 3, list(COPIES)]
+    assert (pairs == 0).all()
+    (grad,) = torch.autograd.grad(pairs.sum(), value)
+    assert (grad == 0).all()
+    near = repeated_inputs("copies", torch.float32, delta=1e-4)[2]
+    assert (squared_value_distances(near, near.shape[-2])[:, :, 3, list(COPIES)] > 0).all()
+
+
+@pytest.mark.parametrize("backend", ["eager", "tiled", "triton"])
+def test_backends_agree_on_duplicates(backend):
+    """Where values coincide every backend computes the same weights: outputs agree to float32 rounding."""
+    skip_missing(backend)
+    inputs = [t.detach() for t in repeated_inputs("run", torch.float32)]
+    p = torch.tensor(P, device=DEVICE)
+    expected = TORCH_BACKENDS["eager"](*inputs, p, is_causal=True)
+    torch.testing.assert_close(BACKENDS[backend](*inputs, p, is_causal=True), expected, rtol=1e-5, atol=1e-6)
+
+
+# Text with repeated tokens: a few words, each several times, in a Llama-shaped model whose first layer gives
+# every occurrence of a word the same value.
+WORDS = 7
+
+
+def repeated_ids(length, seed):
+    return torch.randint(2, 2 + WORDS, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.mark.parametrize("formulation", ["paper", "euler"])
+@pytest.mark.parametrize("backend", ["eager", "tiled", "triton"])
+def test_llama_shaped_model_matches_its_float64_self(backend, formulation):
+    """Its float64 self runs eager (the kernels take no float64); lm() seeds the same weights."""
+    skip_missing(backend)
+    settings = dict(LLAMA_SHAPE, plap_p=[1.0, 1.5, 2.5, 3.0], plap_formulation=formulation)
+    ids = torch.tensor([repeated_ids(40, seed) for seed in range(2)], device=DEVICE)
+    with torch.no_grad():
+        logits = lm(**settings, plap_backend=backend).to(DEVICE)(ids).logits
+        expected = lm(**settings, plap_backend="eager").to(DEVICE, torch.float64)(ids).logits
+    assert relative_error(logits, expected) <= 1e-4
+
+
+@pytest.mark.parametrize("formulation", ["paper", "euler"])
+@pytest.mark.parametrize("backend", ["eager", "tiled", "triton"])
+def test_packed_rows_match_each_document_alone(backend, formulation):
+    """A packed row holds other documents in the same tiles, so the expansion's rounding (and any rule on it)
+    sees other norms and other accumulation orders than each document alone."""
+    skip_missing(backend)
+    model = lm(**LLAMA_SHAPE, plap_p=[1.0, 1.5, 2.5, 3.0], plap_formulation=formulation, plap_backend=backend)
+    model.to(DEVICE)
+    documents = [repeated_ids(length, seed) for seed, length in enumerate((13, 30, 21))]
+    batch = DataCollatorWithFlattening(return_tensors="pt")([{"input_ids": document} for document in documents])
+    with torch.no_grad():
+        packed = model(batch["input_ids"].to(DEVICE), position_ids=batch["position_ids"].to(DEVICE)).logits
+        start = 0
+        for document in documents:
+            alone = model(torch.tensor([document], device=DEVICE)).logits
+            assert relative_error(packed[:, start : start + len(document)], alone) <= 1e-5
+            start += len(document)
