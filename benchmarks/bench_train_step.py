@@ -8,7 +8,10 @@ Pairs, each timed as the median of --repeats steps after --warmup steps, round-r
 - ptb: the plat-ptb-tiny preset's model (4 layers x 128, 8 heads, context 128, p = 4 x 1.5 + 4 x 2.5, 10k
   vocabulary, hidden dropout 0.1; batch 32) vs its softmax-ptb-tiny twin (the same with p = 2);
 - compile, compile-llama: the plat-ptb-tiny / plat-llama-tiny preset's model (10k vocabulary) under
-  torch.compile(fullgraph=True) vs the same model eager (the warm-up steps compile; use --warmup 2 or more).
+  torch.compile(fullgraph=True) vs the same model eager (the warm-up steps compile; use --warmup 2 or more);
+- llama-125m (not run by default: a GPU-sized pair): a Llama-shaped p-LaT LM (12 layers x 768, 12 heads, rotary,
+  RMSNorm, SwiGLU 2048, paper p mix; 32k vocabulary, 1024 tokens, untied head: 134M parameters) vs
+  LlamaForCausalLM of the same sizes with SDPA attention; batch 8.
 Attention dropout is 0 everywhere (it would route p-LaT to the eager reference); hidden dropout is 0 except
 in the ptb pair, which copies its presets. Each printed ratio carries the machine it was measured on.
 
@@ -25,15 +28,21 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoModelForImageClassification, GPT2Config, ViTConfig
+from transformers import AutoModelForCausalLM, AutoModelForImageClassification, GPT2Config, LlamaConfig, ViTConfig
 
 from machine import facts_label, machine_facts
-from modeling_plat import PlatConfig, PlatForCausalLM, PlatForImageClassification, PlatVisionConfig
+from modeling_plat import PlatConfig, PlatForCausalLM, PlatForImageClassification, PlatVisionConfig, paper_p_mix
 from plat_train.presets import resolve_config_name
 
 DEIT_TINY = dict(hidden_size=192, num_hidden_layers=12, num_attention_heads=3, intermediate_size=768)
 PAPER_LM = dict(hidden_size=128, num_hidden_layers=16, num_attention_heads=8, intermediate_size=512)
 PTB_TINY = dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=8, intermediate_size=512)
+LLAMA_125M = dict(vocab_size=32000, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+                  num_key_value_heads=12, intermediate_size=2048, hidden_act="silu", max_position_embeddings=1024,
+                  rms_norm_eps=1e-5, attention_bias=False, mlp_bias=False, tie_word_embeddings=False,
+                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0})  # fmt: skip
+# Tokens of each language-model pair's rows: (length, vocabulary); the others' rows are 128 of 10k.
+TOKENS = {"lm": (256, 10000), "llama-125m": (1024, 32000)}
 
 
 def vision_models(backend):
@@ -67,21 +76,32 @@ def ptb_models(backend):
     }
 
 
-def compile_pair(preset):
-    """A preset's model under torch.compile (fullgraph) against the same model run eagerly."""
+def llama_models(backend):
+    plat = dict(**LLAMA_125M, position_embedding_type="rope", norm_type="rmsnorm", mlp_type="gated",
+                hidden_dropout_prob=0.0, plap_backend=backend)  # fmt: skip
+    return {
+        "plat-llama-125m": PlatForCausalLM(PlatConfig(**plat, plap_p=paper_p_mix(12))),
+        "llama-125m-sdpa": AutoModelForCausalLM.from_config(LlamaConfig(**LLAMA_125M), attn_implementation="sdpa"),
+    }
+
+
+def compile_pair(preset, **options):
+    """A preset's model under torch.compile (fullgraph; ``options``: more of torch.compile's arguments) against
+    the same model run eagerly."""
 
     def build(backend):
         config = PlatConfig.from_json_file(resolve_config_name(preset))
         config.vocab_size, config.plap_backend = 10000, backend
         compiled, eager = PlatForCausalLM(config), PlatForCausalLM(config)
         eager.load_state_dict(compiled.state_dict())
-        return {f"{preset}-compiled": torch.compile(compiled, fullgraph=True), f"{preset}-eager": eager}
+        return {f"{preset}-compiled": torch.compile(compiled, fullgraph=True, **options), f"{preset}-eager": eager}
 
     return build
 
 
 PAIRS = {"vision": (vision_models, 8), "lm": (lm_models, 16), "ptb": (ptb_models, 32),
-         "compile": (compile_pair("plat-ptb-tiny"), 32), "compile-llama": (compile_pair("plat-llama-tiny"), 32)}
+         "compile": (compile_pair("plat-ptb-tiny"), 32), "compile-llama": (compile_pair("plat-llama-tiny"), 32),
+         "llama-125m": (llama_models, 8)}
 
 
 def batches(pair, batch_size):
@@ -89,14 +109,17 @@ def batches(pair, batch_size):
     if pair == "vision":
         pixels = torch.randn(batch_size, 3, 224, 224, generator=gen)
         return dict(pixel_values=pixels, labels=torch.randint(0, 1000, (batch_size,), generator=gen))
-    tokens = torch.randint(0, 10000, (batch_size, 256 if pair == "lm" else 128), generator=gen)
+    length, vocab = TOKENS.get(pair, (128, 10000))
+    tokens = torch.randint(0, vocab, (batch_size, length), generator=gen)
     return dict(input_ids=tokens, labels=tokens)
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--pairs", nargs="+", choices=list(PAIRS), default=list(PAIRS))
-    parser.add_argument("--batch", type=int, help="batch size of every pair (default: 8 vision, 16 lm, 32 ptb)")
+    parser.add_argument("--pairs", nargs="+", choices=list(PAIRS),
+                        default=[pair for pair in PAIRS if pair != "llama-125m"])
+    parser.add_argument("--batch", type=int, help="batch size of every pair (default: 8 vision, 16 lm, 32 ptb, "
+                        "8 llama-125m)")
     parser.add_argument("--backend", default="auto", help="plap_backend of the p-LaT models")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)

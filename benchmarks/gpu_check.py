@@ -1,80 +1,222 @@
-"""Check the p-Laplacian attention backends on a CUDA GPU and time them against SDPA's flash attention.
+"""The acceptance check of plat on a CUDA GPU, one run of under 9 minutes that writes one JSON record.
 
-    python benchmarks/gpu_check.py --out results/gpu_check
+Correctness, speed against SDPA and transformers' models, torch.compile, decoding and the README's main job:
 
-1. Correctness sweep: float32 / bfloat16 / float16 x head sizes 16, 48, 64, 80, 128 x paper / euler x
-   (no mask, causal + key padding) x (Nq = Nk, Nq < Nk), through ``backend="auto"`` and, where it admits the
-   input, ``backend="triton"``: the output and the gradients of q, k and v against the float64 eager
-   reference on the same GPU (relative errors, the tolerances of tests/attention/test_backends.py), and a second run
-   that must be bitwise identical. Then the eager and tiled backends in float32 on values with exact
-   duplicates (repeated tokens), where the distance expansion cancels, with TF32 matmuls on
-   (torch.backends.cuda.matmul.allow_tf32): their errors must stay within twice those with TF32 off.
-2. Attention benchmark in bfloat16, the Triton backend against SDPA restricted to its flash backend, forward
-   and forward + backward, at N = 1k / 4k / 16k (d = 64, B * H = 32, causal), the paper's LM shape and
-   DeiT-tiny. Throughput is reported against each algorithm's matmul floor (multiply-adds of its matmuls,
-   x2 flops): p-LaT 3 N^2 d forward (QK^T, VV^T, AV) and 11 N^2 d forward + backward; softmax attention 2
-   and 7. Causal shapes count half.
-3. Training step in bfloat16 autocast (forward, backward, AdamW) of the p-LaT DeiT-tiny and paper LM (see
-   benchmarks/bench_train_step.py) against their softmax baselines with SDPA flash attention.
+    python benchmarks/gpu_check.py                     # every section; the record goes to benchmarks/results/
+    python benchmarks/gpu_check.py --sections sweep attention --out /tmp/check.json
 
-Everything goes to DIR/gpu_check.json with the GPU name, compute capability, driver, CUDA, torch and Triton
-versions. The exit status is 1 if any check failed (a tolerance, a rerun that differs, an error), 2 without
-a CUDA GPU.
+Sections, each a list of JSON rows in the record (a row that failed says why in its "failures"):
+
+- sweep: ``backend="auto"`` and ``"triton"`` against the float64 eager reference on the same GPU: float32 /
+  bfloat16 / float16 x head sizes 16, 48, 64, 80, 128 x paper / euler x (no mask, causal + key padding) x
+  (Nq = Nk, Nq < Nk): the output and the gradients of q, k and v (relative errors within the tolerances of
+  tests/attention/test_backends.py) and a second run that must be bitwise identical. Then values with exact
+  duplicates (repeated tokens: D2 = 0 off the diagonal) and packed rows (document_ids) against each document
+  alone, at head sizes 16, 64 and 128; eager and tiled in float32 on duplicates under TF32 matmuls
+  (torch.backends.cuda.matmul.allow_tf32), within twice their errors without TF32; and convert_to_plat at p = 2
+  of tiny random GPT-2, Llama and ViT models against transformers' own in float32 and bfloat16 (logits). The
+  cases run side by side in --workers spawned processes on the same GPU (Triton caches kernels on disk).
+- attention: bfloat16 plap_attention (auto, the paper's p mix as a static tuple, as models pass it) against
+  scaled_dot_product_attention's default, flash and cuDNN backends: forward, forward + backward, and the peak
+  memory of a forward + backward, at the paper LM (16, 8, 256, 16, causal), DeiT-tiny (64, 3, 197, 64),
+  (8, 12, 1024, 64), (2, 16, 4096, 64), (2, 16, 4096, 128) and (1, 8, 16384, 64) causal. TFLOP/s are against
+  each algorithm's matmul floor (multiply-adds per score and head-size unit: p-LaT 3 forward, 11 forward +
+  backward; softmax 2 and 7; causal shapes count half).
+- train: optimizer steps (forward, backward, AdamW) under bf16 autocast of benchmarks/bench_train_step.py's
+  vision (DeiT-tiny), lm (the paper's LM) and llama-125m (12 x 768, 8 x 1024 tokens) pairs, p-LaT against
+  transformers' twins with SDPA (its default backend); medians after warm-up, peak memory.
+- compile: the plat-ptb-tiny and plat-llama-tiny presets' training steps under torch.compile(fullgraph=True)
+  against eager (first-call and step times, graphs, graph breaks), the first also with mode="reduce-overhead"
+  (CUDA graphs), and greedy generation with model.forward compiled (fullgraph): graphs, tokens against eager.
+- decode: greedy decoding with the KV cache in bfloat16, benchmarks/bench_decode.py's GPT-2 and Llama shapes
+  at batch 1 and 8, against transformers' models (SDPA).
+- main-job: the README's main job, ``run_clm.py plat-ptb-tiny.yaml --bf16 true`` in a temporary folder: its
+  wall time and final metrics (all_results.json).
+
+Every timed p-LaT row counts the backends ``auto`` chose, by name (under torch.compile: the choices made while
+tracing, once per graph), so that a fall back from the fused kernels shows. The targets are judged at the end,
+one PASS / FAIL / NOT MEASURED line each (TARGETS). Sections run in order while the time used plus the
+section's expected time (EXPECTED_S, estimated for an H100) fits --budget-s; one that would not is skipped with
+the reason. The record is rewritten after every section, so that a run stopped from outside keeps what was
+done, with the GPU, driver, CUDA, torch, Triton and transformers versions. Exit status: 1 if anything failed
+(a check, a target, an error), 2 without a CUDA GPU.
 """
 
 import argparse
+import collections
 import contextlib
+import datetime
+import functools
+import importlib
 import itertools
 import json
+import multiprocessing
+import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
+import tempfile
+import time
 import traceback
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import torch
 
+from modeling_plat import paper_p_mix
 from modeling_plat.plap_attention import choose_backend, plap_attention
+
+ROOT = Path(__file__).resolve().parents[1]
+SECTIONS = ("sweep", "attention", "train", "compile", "decode", "main-job")
+# Seconds each section is expected to take on an H100, estimated (kernel builds and Inductor compiles dominate),
+# which the budget guard adds to the time used before starting it.
+EXPECTED_S = {"sweep": 90, "attention": 45, "train": 60, "compile": 150, "decode": 40, "main-job": 90}
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 HEAD_DIMS = (16, 48, 64, 80, 128)
+FEW_HEAD_DIMS = (16, 64, 128)
 TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2, "float16": 2e-2}
 # (B, H, Nq, Nk) of the sweep: lengths that are not multiples of any tile.
 SQUARE, KV_CACHE = (2, 3, 200, 200), (2, 3, 77, 200)
 P_PER_HEAD = (1.5, 2.5, 3.0)
+# Positions whose values copy position 4's: a run inside the first tile, single copies in later ones.
+REPEATS = (*range(5, 20), 70, 150, 199)
+# Document lengths of the two packed rows of SQUARE: no tile multiples, a one-token document, a long one.
+PACKED_LENGTHS = ((37, 1, 100, 62), (64, 64, 72))
+CONVERSIONS = ("gpt2", "llama", "vit")
+
 # name: (batch, heads, length, head size, causal)
 ATTENTION_SHAPES = {
-    "long-1k": (4, 8, 1024, 64, True),
-    "long-4k": (4, 8, 4096, 64, True),
-    "long-16k": (4, 8, 16384, 64, True),
     "paper-lm": (16, 8, 256, 16, True),
-    "deit-tiny": (32, 3, 197, 64, False),
+    "deit-tiny": (64, 3, 197, 64, False),
+    "1k": (8, 12, 1024, 64, True),
+    "4k": (2, 16, 4096, 64, True),
+    "4k-d128": (2, 16, 4096, 128, True),
+    "16k": (1, 8, 16384, 64, True),
 }
+# label: the SDPBackend scaled_dot_product_attention is restricted to (None: its own choice).
+SDPA_VARIANTS = {"sdpa": None, "sdpa-flash": "FLASH_ATTENTION", "sdpa-cudnn": "CUDNN_ATTENTION"}
 # Multiply-adds of the matmuls per score and head-size unit: forward, forward + backward.
-MATMUL_FLOOR = {"plap": (3, 11), "sdpa": (2, 7)}
+MATMUL_FLOOR = {"plat": (3, 11), "sdpa": (2, 7)}
+
+TRAIN_BATCHES = {"vision": 64, "lm": 16, "llama-125m": 8}
+COMPILE_PRESETS = ("plat-ptb-tiny", "plat-llama-tiny")
+CUDA_GRAPHS_PRESET = "plat-ptb-tiny"
+# What auto should run on CUDA: the fused kernels, and the decode path for a few queries.
+FUSED = {"triton", "decode"}
+
+
+def error_fields(error):
+    """The fields of a row that raised ``error``: its message (also as the row's failure) and the traceback."""
+    message = f"{type(error).__name__}: {error}"
+    return dict(error=message, trace=traceback.format_exc(), failures=[message])
+
+
+@contextlib.contextmanager
+def backend_spy():
+    """A Counter of the backends plap_attention's dispatcher returns while inside, by name. Eager code counts every
+    call; torch.compile counts while tracing, once per graph: the count is a constant of the trace, so that it
+    neither breaks the graph nor adds a guard."""
+    module = importlib.import_module("modeling_plat.plap_attention")  # the package's attribute is the function
+    original, chosen = module.choose_backend, collections.Counter()
+
+    @torch.compiler.assume_constant_result
+    def count(name):
+        chosen[name] += 1
+        return True
+
+    def spy(*args, **kwargs):
+        backend = original(*args, **kwargs)
+        count(backend.name)
+        return backend
+
+    module.choose_backend = spy
+    try:
+        yield chosen
+    finally:
+        module.choose_backend = original
+
+
+def synchronize(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn, warmup, repeats, device):
+    """Median seconds of fn(): CUDA events around each call on a GPU, the host clock elsewhere."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def peak_memory_mib(fn, device):
+    """MiB that one fn() allocates on the GPU at its peak beyond what was allocated before; None elsewhere."""
+    if device.type != "cuda":
+        return None
+    synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    fn()
+    synchronize(device)
+    return (torch.cuda.max_memory_allocated(device) - before) / 2**20
+
+
+def to_device(batch, device):
+    return {name: tensor.to(device) for name, tensor in batch.items()}
+
+
+# ---------------------------------------------------------------------------------------------------- sweep
 
 
 def sweep_cases():
     """Every case of the correctness sweep, as JSON-ready dicts."""
     cases = []
-    for dtype, head_dim, formulation, masked, shape in itertools.product(
-        DTYPES, HEAD_DIMS, ("paper", "euler"), (False, True), (SQUARE, KV_CACHE)
+    # Dtype and head size vary fastest: side by side, the workers build different kernels.
+    for backend, shape, masked, formulation, head_dim, dtype in itertools.product(
+        ("triton", "auto"), (SQUARE, KV_CACHE), (False, True), ("paper", "euler"), HEAD_DIMS, DTYPES
     ):
-        for backend in ("auto", "triton"):
-            cases.append(dict(kind="backend", backend=backend, dtype=dtype, head_dim=head_dim,
-                              formulation=formulation, masked=masked, shape=shape))  # fmt: skip
+        cases.append(dict(kind="backend", backend=backend, dtype=dtype, head_dim=head_dim,
+                          formulation=formulation, masked=masked, shape=shape))  # fmt: skip
     for backend, formulation in itertools.product(("eager", "tiled"), ("paper", "euler")):
         cases.append(dict(kind="tf32", backend=backend, dtype="float32", head_dim=64, formulation=formulation,
                           masked=True, shape=SQUARE))  # fmt: skip
+    # masked: causal + key padding for repeated values; causal for packed rows (their documents are the mask).
+    for kind, backend, masked, formulation, head_dim, dtype in itertools.product(
+        ("repeated", "packed"), ("triton", "auto"), (False, True), ("paper", "euler"), FEW_HEAD_DIMS, DTYPES
+    ):
+        cases.append(dict(kind=kind, backend=backend, dtype=dtype, head_dim=head_dim, formulation=formulation,
+                          masked=masked, shape=SQUARE))  # fmt: skip
+    for model, dtype in itertools.product(CONVERSIONS, ("float32", "bfloat16")):
+        cases.append(dict(kind="convert", model=model, dtype=dtype))
     return cases
 
 
 def case_name(case):
+    if case["kind"] == "convert":
+        return f"convert/{case['model']}/{case['dtype']}"
     batch, heads, nq, nk = case["shape"]
-    mask = "causal+padding" if case["masked"] else "nomask"
+    mask = ("causal" if case["kind"] == "packed" else "causal+padding") if case["masked"] else "nomask"
     return (f"{case['kind']}/{case['backend']}/{case['dtype']}/d{case['head_dim']}/{case['formulation']}/{mask}/"
             f"nq{nq}-nk{nk}")  # fmt: skip
+
+
+def document_ids(device):
+    return torch.tensor([[doc for doc, n in enumerate(row) for _ in range(n)] for row in PACKED_LENGTHS], device=device)
 
 
 def make_case_inputs(case, device):
@@ -83,13 +225,16 @@ def make_case_inputs(case, device):
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(batch, heads, nq, case["head_dim"], generator=gen, dtype=torch.float64)
     k, v = (torch.randn(batch, heads, nk, case["head_dim"], generator=gen, dtype=torch.float64) for _ in range(2))
-    if case["kind"] == "tf32":
-        v[:, :, 5:20] = v[:, :, 4:5]  # repeated tokens: exact duplicates, D2 = 0 off the diagonal
+    if case["kind"] in ("tf32", "repeated"):
+        # Repeated tokens: exact duplicates in any dtype, D2 = 0 off the diagonal.
+        v[:, :, [position for position in REPEATS if position < nk]] = v[:, :, 4:5]
     dtype = DTYPES[case["dtype"]]
     inputs = [t.to(device, dtype).requires_grad_() for t in (q, k, v)]
     p = tuple(P_PER_HEAD[h % len(P_PER_HEAD)] for h in range(heads))  # static, as models pass it: no host read
     kwargs = dict(formulation=case["formulation"])
-    if case["masked"]:
+    if case["kind"] == "packed":
+        kwargs.update(is_causal=case["masked"], document_ids=document_ids(device))
+    elif case["masked"]:
         keep = torch.ones(batch, nk, dtype=torch.bool)
         keep[0, :7] = False  # left padding
         keep[-1, :] = False  # a sequence with every key masked
@@ -102,20 +247,80 @@ def relative_error(actual, expected):
     return ((actual.double() - expected.double()).norm() / expected.double().norm().clamp_min(1e-30)).item()
 
 
-def outputs_and_gradients(inputs, p, kwargs, grad_out, backend):
-    out = plap_attention(*inputs, p, **kwargs, backend=backend)
+def attend(inputs, p, kwargs, backend):
+    return plap_attention(*inputs, p, **kwargs, backend=backend)
+
+
+def each_document_alone(inputs, p, kwargs, backend):
+    """What packed rows must give: every document attended alone, without document_ids, put back in place."""
+    alone = {name: value for name, value in kwargs.items() if name != "document_ids"}
+    rows = []
+    for row, lengths in enumerate(PACKED_LENGTHS):
+        starts = itertools.accumulate(lengths, initial=0)
+        rows.append(torch.cat([attend([t[row : row + 1, :, start : start + n] for t in inputs], p, alone, backend)
+                               for start, n in zip(starts, lengths)], dim=2))  # fmt: skip
+    return torch.cat(rows)
+
+
+def outputs_and_gradients(inputs, p, kwargs, grad_out, backend, run=attend):
+    out = run(inputs, p, kwargs, backend)
     return (out, *torch.autograd.grad(out, inputs, grad_out.to(out.dtype)))
+
+
+def conversion_models(name):
+    """A tiny random transformers model of a CONVERSIONS name, its p = 2 conversion and example inputs."""
+    from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, ViTConfig,
+                              ViTForImageClassification)  # fmt: skip
+
+    from modeling_plat.convert import convert_to_plat
+
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(1)
+    if name == "vit":
+        source = ViTForImageClassification(ViTConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                                     intermediate_size=128, image_size=32, patch_size=4,
+                                                     num_labels=10))  # fmt: skip
+        inputs = dict(pixel_values=torch.randn(2, 3, 32, 32, generator=gen))
+    else:
+        if name == "gpt2":
+            source = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=101, n_positions=64,
+                                                bos_token_id=0, eos_token_id=0))  # fmt: skip
+        else:
+            source = LlamaForCausalLM(LlamaConfig(vocab_size=101, hidden_size=64, intermediate_size=128,
+                                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                                  max_position_embeddings=64))  # fmt: skip
+        inputs = dict(input_ids=torch.randint(0, 101, (2, 48), generator=gen))
+    return source.eval(), convert_to_plat(source, plap_p=2.0).eval(), inputs
+
+
+def run_conversion(case, device):
+    source, plat, inputs = conversion_models(case["model"])
+    dtype = DTYPES[case["dtype"]]
+    source, plat = source.to(device, dtype), plat.to(device, dtype)
+    inputs = {name: t.to(device, dtype) if t.is_floating_point() else t.to(device) for name, t in inputs.items()}
+    with torch.no_grad():
+        expected = source(**inputs).logits
+        first, second = (plat(**inputs).logits for _ in range(2))
+    return dict(status="ok", errors=dict(logits=relative_error(first, expected)),
+                max_abs_diff=(first.double() - expected.double()).abs().max().item(),
+                max_abs_logit=expected.abs().max().item(), finite=bool(torch.isfinite(first).all()),
+                bitwise_rerun=torch.equal(first, second))  # fmt: skip
 
 
 def run_case(case, device):
     """Result of one sweep case: the backend that ran, relative errors and the rerun check, or a skip."""
+    device = torch.device(device)
+    if case["kind"] == "convert":
+        return run_conversion(case, device)
     inputs, p, kwargs, grad_out = make_case_inputs(case, device)
     try:
-        backend = choose_backend(case["backend"], *inputs, p=p, attn_mask=kwargs.get("attn_mask")).name
+        backend = choose_backend(case["backend"], *inputs, p=p, attn_mask=kwargs.get("attn_mask"),
+                                 document_ids=kwargs.get("document_ids"), formulation=case["formulation"]).name
     except ValueError as reason:
         return dict(status="skipped", reason=str(reason))
     reference_inputs = [t.detach().double().requires_grad_() for t in inputs]
-    reference = outputs_and_gradients(reference_inputs, p, kwargs, grad_out, "eager")
+    reference_run = each_document_alone if case["kind"] == "packed" else attend
+    reference = outputs_and_gradients(reference_inputs, p, kwargs, grad_out, "eager", reference_run)
 
     def errors(results):
         return {name: relative_error(ours, ref)
@@ -161,93 +366,451 @@ def judge(case, result):
     return problems
 
 
-def run_sweep(cases, runner, log=print):
-    """Run every case with runner(case) -> result dict; an exception becomes an "error" result."""
-    results = []
-    for case in cases:
-        try:
-            result = runner(case)
-        except Exception as error:  # a crash is a failed check, reported with the rest
-            result = dict(status="error", error=f"{type(error).__name__}: {error}", trace=traceback.format_exc())
-        result.update(case=case_name(case), failures=judge(case, result))
-        log(f"{result['case']:<60} {result['status']:<8} {result.get('backend', '')} {'; '.join(result['failures'])}")
-        results.append(result)
+def run_sweep(cases, runner, log=print, workers=0):
+    """Run every case with runner(case) -> result dict, an exception becoming an "error" result; with workers, in
+    that many spawned processes (runner must pickle), so that a crashed kernel cannot take this process along."""
+    with contextlib.ExitStack() as stack:
+        if workers:
+            pool = stack.enter_context(ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")))
+            calls = [pool.submit(runner, case).result for case in cases]
+        else:
+            calls = [functools.partial(runner, case) for case in cases]
+        results = []
+        for case, call in zip(cases, calls):
+            try:
+                result = call()
+            except Exception as error:  # a crash is a failed check, reported with the rest
+                result = dict(status="error", error=f"{type(error).__name__}: {error}", trace=traceback.format_exc())
+            result.update(case=case_name(case), failures=judge(case, result))
+            log(f"{result['case']:<60} {result['status']:<8} {result.get('backend', '')} "
+                f"{'; '.join(result['failures'])}")  # fmt: skip
+            results.append(result)
     return results
 
 
-def timed(fn, warmup, repeats):
-    """Median seconds of fn() on the GPU."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
+def sweep_section(device, log, workers=0, cases=None):
+    return run_sweep(sweep_cases() if cases is None else cases, functools.partial(run_case, device=str(device)),
+                     log, workers)  # fmt: skip
 
 
-def attention_benchmark(name, device, warmup, repeats):
+# ------------------------------------------------------------------------------------------------ attention
+
+
+def sdpa(q, k, v, causal, backend):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    batch, heads, length, head_dim, causal = ATTENTION_SHAPES[name]
-    q, k, v = (torch.randn(batch, heads, length, head_dim, device=device, dtype=torch.bfloat16).requires_grad_()
-               for _ in range(3))  # fmt: skip
-    grad_out = torch.randn_like(q)
-    p = tuple(P_PER_HEAD[h % len(P_PER_HEAD)] for h in range(heads))  # static, as models pass it: no host read
+    with sdpa_kernel(getattr(SDPBackend, backend)) if backend else contextlib.nullcontext():
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
-    def sdpa():
-        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
-    def plap():
-        return plap_attention(q, k, v, p, is_causal=causal, backend="triton")
+def attention_timings(call, inputs, grad_out, work, floor, device, warmup, repeats):
+    """Forward and forward + backward milliseconds of call(), TFLOP/s against ``floor`` multiply-adds per unit of
+    ``work``, and the peak memory of a forward + backward."""
 
-    scores = batch * heads * length * length * (0.5 if causal else 1.0)
-    row = dict(shape=name, batch=batch, heads=heads, length=length, head_dim=head_dim, causal=causal)
-    for label, fn in (("sdpa", sdpa), ("plap", plap)):
-        with torch.no_grad():
-            forward = timed(fn, warmup, repeats)
-        both = timed(lambda fn=fn: torch.autograd.grad(fn(), (q, k, v), grad_out), warmup, repeats)
-        floor_fwd, floor_both = MATMUL_FLOOR[label]
-        row[label] = dict(fwd_ms=forward * 1e3, fwd_bwd_ms=both * 1e3,
-                          fwd_tflops=2 * floor_fwd * scores * head_dim / forward / 1e12,
-                          fwd_bwd_tflops=2 * floor_both * scores * head_dim / both / 1e12)  # fmt: skip
-    row["fwd_ratio"] = row["plap"]["fwd_ms"] / row["sdpa"]["fwd_ms"]
-    row["fwd_bwd_ratio"] = row["plap"]["fwd_bwd_ms"] / row["sdpa"]["fwd_bwd_ms"]
+    def forward_backward():
+        torch.autograd.grad(call(), inputs, grad_out)
+
+    with torch.no_grad():
+        forward = timed(call, warmup, repeats, device)
+    both = timed(forward_backward, warmup, repeats, device)
+    return dict(fwd_ms=forward * 1e3, fwd_bwd_ms=both * 1e3, fwd_tflops=2 * floor[0] * work / forward / 1e12,
+                fwd_bwd_tflops=2 * floor[1] * work / both / 1e12,
+                fwd_bwd_peak_mib=peak_memory_mib(forward_backward, device))  # fmt: skip
+
+
+def attention_row(name, shape, device, warmup, repeats):
+    batch, heads, length, head_dim, causal = shape
+    gen = torch.Generator(device=device).manual_seed(0)
+    q, k, v = (torch.randn(batch, heads, length, head_dim, generator=gen, device=device, dtype=torch.bfloat16)
+               .requires_grad_() for _ in range(3))  # fmt: skip
+    grad_out = torch.randn(q.shape, generator=gen, device=device, dtype=torch.bfloat16)
+    p = tuple(paper_p_mix(heads))
+    work = batch * heads * length * length * (0.5 if causal else 1.0) * head_dim
+    row = dict(name=name, batch=batch, heads=heads, length=length, head_dim=head_dim, causal=causal)
+    measure = functools.partial(attention_timings, inputs=(q, k, v), grad_out=grad_out, work=work, device=device,
+                                warmup=warmup, repeats=repeats)  # fmt: skip
+    try:
+        with backend_spy() as chosen:
+            row["plat"] = measure(lambda: plap_attention(q, k, v, p, is_causal=causal), floor=MATMUL_FLOOR["plat"])
+        row["plat"]["backends"] = dict(chosen)
+    except Exception as error:
+        row.update(error_fields(error))
+    for label, backend in SDPA_VARIANTS.items():
+        try:
+            row[label] = measure(functools.partial(sdpa, q, k, v, causal, backend), floor=MATMUL_FLOOR["sdpa"])
+        except Exception as error:  # a baseline this GPU or shape does not offer: recorded, no failure of ours
+            row[label] = dict(unavailable=f"{type(error).__name__}: {error}")
+        if "fwd_ms" in row.get("plat", {}) and "fwd_ms" in row[label]:
+            row[f"ratio_to_{label}"] = dict(fwd=row["plat"]["fwd_ms"] / row[label]["fwd_ms"],
+                                            fwd_bwd=row["plat"]["fwd_bwd_ms"] / row[label]["fwd_bwd_ms"])  # fmt: skip
     return row
 
 
-def train_step_benchmark(pair, device, warmup, repeats):
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    from bench_train_step import batches, lm_models, vision_models
-
-    models = vision_models("triton") if pair == "vision" else lm_models("triton")
-    inputs = {key: value.to(device) for key, value in batches(pair, 32 if pair == "vision" else 16).items()}
-    rows = {}
-    for name, model in models.items():
-        model.to(device).train()
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-
-        def step(model=model, optimizer=optimizer):
-            with torch.autocast("cuda", dtype=torch.bfloat16), sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-                model(**inputs).loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-
-        rows[name] = dict(pair=pair, step_ms=timed(step, warmup, repeats) * 1e3)
-        model.cpu()
-    baseline = rows[list(rows)[-1]]["step_ms"]
-    for row in rows.values():
-        row["ratio_to_softmax"] = row["step_ms"] / baseline
+def attention_section(device, log, shapes=ATTENTION_SHAPES, warmup=3, repeats=10):
+    rows = []
+    for name, shape in shapes.items():
+        rows.append(attention_row(name, shape, device, warmup, repeats))
+        ratios = {label: round(rows[-1][f"ratio_to_{label}"]["fwd_bwd"], 2)
+                  for label in SDPA_VARIANTS if f"ratio_to_{label}" in rows[-1]}  # fmt: skip
+        log(f"attention {name}: plat fwd+bwd / {ratios} {rows[-1].get('error', '')}")
     return rows
 
 
+# -------------------------------------------------------------------------------------------- training steps
+
+
+def training_step(model, optimizer, inputs, device, cuda_graphs=False):
+    """One optimizer step under bf16 autocast, as a closure."""
+
+    def step():
+        if cuda_graphs:
+            torch.compiler.cudagraph_mark_step_begin()  # the last step's graph outputs (loss, grads) are consumed
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            loss = model(**inputs).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def step_timings(model, inputs, device, warmup, repeats):
+    model.to(device).train()
+    step = training_step(model, torch.optim.AdamW(model.parameters(), lr=1e-4), inputs, device)
+    with backend_spy() as chosen:
+        seconds = timed(step, warmup, repeats, device)
+        peak = peak_memory_mib(step, device)
+    return dict(step_ms=seconds * 1e3, peak_mib=peak, backends=dict(chosen))
+
+
+def train_pair(pair, batch_size, device, warmup, repeats, log):
+    """Rows of one bench_train_step pair, the last model (transformers' twin) the baseline of each ratio."""
+    from bench_train_step import PAIRS, batches
+
+    models = PAIRS[pair][0]("auto")
+    inputs = to_device(batches(pair, batch_size), device)
+    rows = []
+    for name, model in models.items():
+        row = dict(name=name, pair=pair, batch=batch_size, parameters=sum(p.numel() for p in model.parameters()))
+        try:
+            row.update(step_timings(model, inputs, device, warmup, repeats))
+        except Exception as error:
+            row.update(error_fields(error))
+        model.cpu()
+        log(f"train {name}: {row.get('step_ms', row.get('error'))} ms, backends {row.get('backends')}")
+        rows.append(row)
+    baseline = rows[-1]
+    for row in rows:
+        if "step_ms" in row and "step_ms" in baseline:
+            row.update(baseline=baseline["name"], ratio=row["step_ms"] / baseline["step_ms"])
+    return rows
+
+
+def train_section(device, log, batches=TRAIN_BATCHES, warmup=3, repeats=10):
+    rows = []
+    for pair, batch_size in batches.items():
+        try:
+            rows.extend(train_pair(pair, batch_size, device, warmup, repeats, log))
+        except Exception as error:
+            rows.append(dict(name=pair, pair=pair, **error_fields(error)))
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+# --------------------------------------------------------------------------------------------- torch.compile
+
+
+def dynamo_counts():
+    from torch._dynamo.utils import counters
+
+    return dict(graphs=counters["stats"]["unique_graphs"], graph_breaks=sum(counters["graph_break"].values()))
+
+
+def fresh_dynamo():
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+
+
+def first_call_and_steps(step, device, warmup, repeats):
+    """Seconds of step()'s first call (the compile) and the median step after warm-up."""
+    synchronize(device)
+    start = time.perf_counter()
+    step()
+    synchronize(device)
+    return time.perf_counter() - start, timed(step, warmup, repeats, device)
+
+
+def compiled_step_row(preset, compiled, eager, inputs, device, warmup, repeats):
+    row = dict(name=f"{preset}/train-step", kind="train-step", preset=preset)
+    row.update(eager=step_timings(eager, inputs, device, warmup, repeats))
+    fresh_dynamo()
+    compiled.to(device).train()
+    step = training_step(compiled, torch.optim.AdamW(compiled.parameters(), lr=1e-4), inputs, device)
+    with backend_spy() as chosen:
+        first_s, seconds = first_call_and_steps(step, device, warmup, repeats)
+    row.update(first_call_s=first_s, step_ms=seconds * 1e3, ratio_to_eager=seconds * 1e3 / row["eager"]["step_ms"],
+               backends=dict(chosen), **dynamo_counts())  # fmt: skip
+    return row
+
+
+def cuda_graphs_row(preset, eager, inputs, device, warmup, repeats):
+    row = dict(name=f"{preset}/train-step-cuda-graphs", kind="train-step-cuda-graphs", preset=preset)
+    fresh_dynamo()
+    graphed = torch.compile(eager, fullgraph=True, mode="reduce-overhead")
+    step = training_step(graphed, torch.optim.AdamW(eager.parameters(), lr=1e-4), inputs, device, cuda_graphs=True)
+    with backend_spy() as chosen:
+        first_s, seconds = first_call_and_steps(step, device, warmup, repeats)
+    row.update(first_call_s=first_s, step_ms=seconds * 1e3, backends=dict(chosen), **dynamo_counts())
+    return row
+
+
+def compiled_generation_row(preset, model, device, compiler, new_tokens):
+    """Greedy decoding with model.forward compiled (fullgraph) against eager decoding."""
+    model.to(device).eval()
+    prompt = torch.randint(2, model.config.vocab_size, (2, 6), generator=torch.Generator().manual_seed(0)).to(device)
+    generate = dict(attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                    do_sample=False, pad_token_id=0)  # fmt: skip
+    with torch.no_grad():
+        expected = model.generate(prompt, **generate)
+        fresh_dynamo()
+        model.forward = torch.compile(model.forward, backend=compiler, fullgraph=True)
+        try:
+            with backend_spy() as chosen:
+                start = time.perf_counter()
+                tokens = model.generate(prompt, **generate)
+                seconds = time.perf_counter() - start
+        finally:
+            del model.forward  # the class's forward again
+    return dict(name=f"{preset}/generate", kind="generate", preset=preset, new_tokens=new_tokens, seconds=seconds,
+                tokens_equal_eager=torch.equal(tokens, expected), backends=dict(chosen), **dynamo_counts())  # fmt: skip
+
+
+def compile_section(device, log, presets=COMPILE_PRESETS, cuda_graphs_preset=CUDA_GRAPHS_PRESET, compiler="inductor",
+                    batch=32, warmup=3, repeats=10, new_tokens=12):  # fmt: skip
+    from bench_train_step import batches, compile_pair
+
+    inputs = to_device(batches("compile", batch), device)
+    rows = []
+    for preset in presets:
+        try:
+            compiled, eager = compile_pair(preset, backend=compiler)("auto").values()
+        except Exception as error:
+            rows.append(dict(name=preset, preset=preset, **error_fields(error)))
+            continue
+        runs = [functools.partial(compiled_step_row, preset, compiled, eager, inputs, device, warmup, repeats)]
+        if preset == cuda_graphs_preset:
+            runs.append(functools.partial(cuda_graphs_row, preset, eager, inputs, device, warmup, repeats))
+        runs.append(functools.partial(compiled_generation_row, preset, eager, device, compiler, new_tokens))
+        for run in runs:
+            if run.func is cuda_graphs_row and device.type != "cuda":
+                rows.append(dict(name=f"{preset}/train-step-cuda-graphs", kind="train-step-cuda-graphs",
+                                 preset=preset, skipped="CUDA graphs need a CUDA device"))  # fmt: skip
+                continue
+            try:
+                rows.append(run())
+            except Exception as error:
+                rows.append(dict(name=f"{preset}/{run.func.__name__}", preset=preset, **error_fields(error)))
+            log(f"compile {rows[-1]['name']}: " + json.dumps({key: rows[-1].get(key) for key in (
+                "first_call_s", "step_ms", "ratio_to_eager", "graphs", "graph_breaks", "tokens_equal_eager", "error")}))
+    fresh_dynamo()
+    return rows
+
+
+# -------------------------------------------------------------------------------------------------- decoding
+
+
+def decode_section(device, log, shapes=("gpt2", "llama"), batch_sizes=(1, 8), new_tokens=100, repeats=3,
+                   dtype=torch.bfloat16):  # fmt: skip
+    from bench_decode import BASELINE, decode_seconds, models
+
+    rows = []
+    for shape in shapes:
+        try:
+            built = {name: model.to(device, dtype) for name, model in models(shape).items()}
+        except Exception as error:
+            rows.append(dict(name=shape, shape=shape, **error_fields(error)))
+            continue
+        for batch in batch_sizes:
+            prompt = torch.randint(1, 10000, (batch, 16), generator=torch.Generator().manual_seed(batch)).to(device)
+            shape_rows = {}
+            for name, model in built.items():
+                row = dict(name=f"{shape}/{name}/batch{batch}", shape=shape, model=name, batch=batch,
+                           new_tokens=new_tokens, dtype=str(dtype).removeprefix("torch."))  # fmt: skip
+                try:
+                    decode_seconds(model, prompt, 8)  # warm-up
+                    with backend_spy() as chosen:
+                        seconds = statistics.median(decode_seconds(model, prompt, new_tokens) for _ in range(repeats))
+                    row.update(seconds=seconds, tokens_per_s=batch * new_tokens / seconds, backends=dict(chosen))
+                except Exception as error:
+                    row.update(error_fields(error))
+                shape_rows[name] = row
+            for row in shape_rows.values():
+                if "seconds" in row and "seconds" in shape_rows[BASELINE]:
+                    row["ratio_to_transformers"] = row["seconds"] / shape_rows[BASELINE]["seconds"]
+                log(f"decode {row['name']}: {row.get('tokens_per_s', row.get('error'))} tokens/s")
+            rows.extend(shape_rows.values())
+    return rows
+
+
+# -------------------------------------------------------------------------------------------------- main job
+
+
+def main_job_arguments(output_dir, device):
+    """run_clm.py's arguments for the README's main job, in bfloat16 on a GPU."""
+    bf16 = ["--bf16", "true"] if device.type == "cuda" else []
+    return ["plat-ptb-tiny.yaml", "--output_dir", str(output_dir), *bf16]
+
+
+def main_job_section(device, log, timeout_s, script=ROOT / "run_clm.py", extra_args=()):
+    with tempfile.TemporaryDirectory() as folder:
+        output_dir = Path(folder) / "plat-ptb-tiny"
+        command = [sys.executable, str(script), *main_job_arguments(output_dir, device), *extra_args]
+        row = dict(name="plat-ptb-tiny", command=" ".join(command[1:]), timeout_s=timeout_s)
+        start = time.perf_counter()
+        try:
+            done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
+        except subprocess.TimeoutExpired as expired:
+            output = (expired.stdout or b"")[-3000:]
+            return [dict(row, wall_s=time.perf_counter() - start, failures=[f"timed out after {timeout_s:.0f} s"],
+                         output_tail=output.decode(errors="replace") if isinstance(output, bytes) else output)]
+        row.update(wall_s=time.perf_counter() - start, returncode=done.returncode,
+                   output_tail=(done.stdout + done.stderr)[-3000:])  # fmt: skip
+        results = output_dir / "all_results.json"
+        if done.returncode == 0 and results.exists():
+            row["metrics"] = json.loads(results.read_text())
+        else:
+            row["failures"] = [f"exit status {done.returncode}" + ("" if results.exists() else ", no all_results.json")]
+    log(f"main job: {row['wall_s']:.0f} s, test perplexity {row.get('metrics', {}).get('test_perplexity')}")
+    return [row]
+
+
+# ---------------------------------------------------------------------------------------------------- record
+
+
+def find(sections, section, **fields):
+    """The first row of a section that ran with these field values, or None."""
+    rows = sections.get(section, {}).get("rows", [])
+    return next((row for row in rows if all(row.get(key) == value for key, value in fields.items())), None)
+
+
+def ratio_target(sections, section, fields, value_of, limit):
+    row = find(sections, section, **fields)
+    try:
+        value = value_of(row)
+    except (KeyError, TypeError):  # no row, or a row without the measurement (an error)
+        return None, None
+    return round(value, 3), value <= limit
+
+
+def fullgraph_target(sections):
+    rows = [row for row in sections.get("compile", {}).get("rows", []) if row.get("kind") in ("train-step", "generate")]
+    broken = [row["name"] for row in rows if "error" in row or row.get("graph_breaks") != 0]
+    if len(rows) < 2 * len(COMPILE_PRESETS):
+        return f"{len(rows)} of {2 * len(COMPILE_PRESETS)} compiled", None
+    return (f"{len(rows) - len(broken)} of {len(rows)} without graph breaks" + (f" (not: {broken})" if broken else ""),
+            not broken)  # fmt: skip
+
+
+def cuda_graphs_target(sections):
+    row = find(sections, "compile", kind="train-step-cuda-graphs")
+    if row is None or "skipped" in row:
+        return None, None
+    return (f"{row['step_ms']:.2f} ms/step" if "step_ms" in row else row["error"]), "step_ms" in row
+
+
+def fused_target(sections):
+    """Which timed p-LaT rows saw auto choose anything but the fused kernels (or the decode path)."""
+    rows = [row for name in ("attention", "train", "compile", "decode")
+            for row in sections.get(name, {}).get("rows", [])]  # fmt: skip
+    counts = {row["name"]: row.get("plat", row)["backends"] for row in rows if "backends" in row.get("plat", row)}
+    fallbacks = {name: chosen for name, chosen in counts.items() if set(chosen) - FUSED}
+    if not counts:
+        return None, None
+    return (f"fall backs in {fallbacks}" if fallbacks else f"{len(counts)} rows on {sorted(FUSED)}"), not fallbacks
+
+
+# (name, the sections it needs, judge(sections) -> (value, passed: True / False / None when not measured))
+TARGETS = [
+    ("llama-125m training step <= 1.3 x LlamaForCausalLM (SDPA), bf16 autocast", ("train",),
+     lambda s: ratio_target(s, "train", dict(name="plat-llama-125m"), lambda row: row["ratio"], 1.3)),
+    ("paper-lm attention forward + backward <= 2.5 x SDPA (default backend)", ("attention",),
+     lambda s: ratio_target(s, "attention", dict(name="paper-lm"), lambda row: row["ratio_to_sdpa"]["fwd_bwd"], 2.5)),
+    ("compiled plat-ptb-tiny training step <= 0.8 x eager", ("compile",),
+     lambda s: ratio_target(s, "compile", dict(name="plat-ptb-tiny/train-step"), lambda row: row["ratio_to_eager"],
+                            0.8)),
+    ("fullgraph=True, 0 graph breaks: training step and generation's forward of plat-ptb-tiny and plat-llama-tiny",
+     ("compile",), fullgraph_target),
+    ('mode="reduce-overhead" (CUDA graphs) training step of plat-ptb-tiny works', ("compile",), cuda_graphs_target),
+    ("auto runs the fused kernels (triton; decode for a few queries) in every timed p-LaT model",
+     ("attention", "train", "compile", "decode"), fused_target),
+]  # fmt: skip
+
+
+def judge_targets(sections, requested):
+    """A PASS / FAIL / NOT MEASURED line per target that the requested sections measure."""
+    judged = []
+    for name, needs, judge_target in TARGETS:
+        if not set(needs) & set(requested):
+            continue
+        value, passed = judge_target(sections)
+        verdict = {True: "PASS", False: "FAIL", None: "NOT MEASURED"}[passed]
+        judged.append(dict(target=name, value=value, passed=passed, line=f"{verdict} {name}: {value}"))
+    return judged
+
+
+def collect_failures(sections, targets):
+    failures = []
+    for name, section in sections.items():
+        if section["status"] == "error":
+            failures.append(f"{name}: {section['error']}")
+        for row in section.get("rows", []):
+            label = row.get("case") or row.get("name")
+            failures += [f"{name} {label}: {failure}" for failure in row.get("failures", [])]
+    return failures + [target["line"] for target in targets if not target["passed"]]
+
+
+class Progress:
+    """print, prefixed by the seconds since the run started (the time the budget counts)."""
+
+    def __init__(self):
+        self.start = time.perf_counter()
+
+    def elapsed(self):
+        return time.perf_counter() - self.start
+
+    def __call__(self, message):
+        print(f"[{self.elapsed():6.1f} s] {message}", flush=True)
+
+
+def run_sections(runs, budget_s, log, save, expected_s=EXPECTED_S):
+    """{name: result} of running each (name, run() -> rows) in order: status "ok" with the rows, "error" (it raised),
+    or "skipped" (the time used plus its expected time would pass budget_s); save(results) after each."""
+    results = {}
+    for name, run in runs:
+        used = log.elapsed()
+        if used + expected_s[name] > budget_s:
+            results[name] = dict(status="skipped", reason=f"budget: {used:.0f} s used + about {expected_s[name]} s "
+                                                          f"expected > {budget_s:.0f} s")  # fmt: skip
+            log(f"section {name} skipped: {results[name]['reason']}")
+        else:
+            log(f"section {name}")
+            try:
+                results[name] = dict(status="ok", rows=run())
+            except Exception as error:
+                results[name] = dict(status="error", **error_fields(error))
+            results[name]["seconds"] = log.elapsed() - used
+            log(f"section {name}: {results[name]['status']} in {results[name]['seconds']:.0f} s")
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        save(results)
+    return results
+
+
 def environment(device):
+    import transformers
     import triton
 
     try:
@@ -255,23 +818,42 @@ def environment(device):
                                 capture_output=True, text=True, check=True).stdout.split("\n")[0].strip()  # fmt: skip
     except (OSError, subprocess.CalledProcessError):
         driver = "unknown (nvidia-smi failed)"
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                                check=True).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.CalledProcessError):
+        commit = "unknown (no git checkout)"
     major, minor = torch.cuda.get_device_capability(device)
     return dict(gpu=torch.cuda.get_device_name(device), capability=f"{major}.{minor}", driver=driver,
                 cuda=torch.version.cuda, torch=torch.__version__, triton=triton.__version__,
-                python=platform.python_version())  # fmt: skip
+                transformers=transformers.__version__, python=platform.python_version(), cpus=os.cpu_count(),
+                commit=commit,
+                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))  # fmt: skip
 
 
-def write_report(out_dir, report):
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / "gpu_check.json"
+def record_path(out, gpu, date):
+    """``out`` if it names a .json file, else out/gpu_check-<gpu>-<date>.json."""
+    if out.suffix == ".json":
+        return out
+    slug = re.sub(r"[^a-z0-9]+", "-", gpu.lower().replace("nvidia", "")).strip("-")
+    return out / f"gpu_check-{slug}-{date}.json"
+
+
+def write_report(path, report):
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=2))
     return path
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", type=Path, required=True, help="directory for gpu_check.json")
-    parser.add_argument("--skip-benchmarks", action="store_true", help="the correctness sweep only")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results",
+                        help="the record's file (.json) or folder (default: benchmarks/results/)")
+    parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
+    parser.add_argument("--budget-s", type=float, default=500,
+                        help="skip a section when the time used plus its expected time would pass this")
+    parser.add_argument("--workers", type=int, default=min(16, os.cpu_count()),
+                        help="processes of the correctness sweep (0: in this process)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=10)
     args = parser.parse_args(argv)
@@ -279,32 +861,31 @@ def main(argv=None):
         print("gpu_check.py needs a CUDA GPU and torch.cuda.is_available() is False here; on CPU the kernels "
               "are checked by the test suite (pytest) instead.", file=sys.stderr)  # fmt: skip
         return 2
-    device = torch.device("cuda")
-    report = dict(environment=environment(device))
-    print(json.dumps(report["environment"]))
-    report["sweep"] = run_sweep(sweep_cases(), lambda case: run_case(case, device))
-    failures = [f"{r['case']}: {'; '.join(r['failures'])}" for r in report["sweep"] if r["failures"]]
-    if not args.skip_benchmarks:
-        report["attention"] = []
-        for name in ATTENTION_SHAPES:
-            try:
-                report["attention"].append(attention_benchmark(name, device, args.warmup, args.repeats))
-            except Exception as error:
-                failures.append(f"attention benchmark {name}: {type(error).__name__}: {error}")
-            print(json.dumps(report["attention"][-1:]))
-        report["train_step"] = {}
-        for pair in ("vision", "lm"):
-            try:
-                report["train_step"].update(train_step_benchmark(pair, device, args.warmup, args.repeats))
-            except Exception as error:
-                failures.append(f"train-step benchmark {pair}: {type(error).__name__}: {error}")
-        print(json.dumps(report["train_step"]))
-    report["failures"] = failures
-    path = write_report(args.out, report)
-    print(f"{len(failures)} failures; report in {path}")
-    for failure in failures:
+    log, device = Progress(), torch.device("cuda")
+    report = dict(environment=environment(device), arguments={key: str(value) for key, value in vars(args).items()})
+    log(json.dumps(report["environment"]))
+    path = record_path(args.out, report["environment"]["gpu"], report["environment"]["date"][:10])
+    timing = dict(warmup=args.warmup, repeats=args.repeats)
+    runs = {
+        "sweep": lambda: sweep_section(device, log, workers=args.workers),
+        "attention": lambda: attention_section(device, log, **timing),
+        "train": lambda: train_section(device, log, **timing),
+        "compile": lambda: compile_section(device, log, **timing),
+        "decode": lambda: decode_section(device, log),
+        "main-job": lambda: main_job_section(device, log, timeout_s=args.budget_s - log.elapsed()),
+    }
+    sections = run_sections([(name, runs[name]) for name in SECTIONS if name in args.sections], args.budget_s, log,
+                            lambda done: write_report(path, dict(report, sections=done)))  # fmt: skip
+    report.update(sections=sections, targets=judge_targets(sections, args.sections))
+    report["failures"] = collect_failures(sections, report["targets"])
+    report["seconds"] = log.elapsed()
+    write_report(path, report)
+    for target in report["targets"]:
+        print(target["line"])
+    for failure in report["failures"]:
         print("FAILED", failure)
-    return 1 if failures else 0
+    print(f"{len(report['failures'])} failures in {report['seconds']:.0f} s; record in {path}")
+    return 1 if report["failures"] else 0
 
 
 if __name__ == "__main__":

@@ -1,19 +1,23 @@
-"""benchmarks/gpu_check.py's bookkeeping, on CPU: the sweep's cases, how results are judged, the report, and
-its measurement of one case run for real with the CPU backends (and the Triton interpreter)."""
+"""benchmarks/gpu_check.py on CPU: the sweep's cases and how results are judged, each section run for real at tiny
+sizes (the CPU backends and the Triton interpreter; aot_eager for torch.compile), the budget guard, the recording of
+failures, the targets' verdicts and the record."""
 
-import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+import gpu_check
 from modeling_plat import plap_attention_triton as triton_module
+from plat_train.presets import resolve_config_name
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_check.py"
-spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
-gpu_check = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(gpu_check)
+CPU = torch.device("cpu")
+
+
+def quiet(line):
+    pass
 
 
 def test_sweep_covers_every_combination():
@@ -29,7 +33,16 @@ def test_sweep_covers_every_combination():
     assert {(c["backend"], c["formulation"]) for c in tf32_cases} == {
         ("eager", "paper"), ("eager", "euler"), ("tiled", "paper"), ("tiled", "euler")
     }
+    for kind in ("repeated", "packed"):
+        kind_cases = {(c["backend"], c["dtype"], c["head_dim"], c["formulation"], c["masked"])
+                      for c in cases if c["kind"] == kind}  # fmt: skip
+        assert len(kind_cases) == 2 * 3 * 3 * 2 * 2
+    assert {(c["model"], c["dtype"]) for c in cases if c["kind"] == "convert"} == {
+        (model, dtype) for model in ("gpt2", "llama", "vit") for dtype in ("float32", "bfloat16")
+    }
     assert len({gpu_check.case_name(c) for c in cases}) == len(cases)
+    # Side by side, the first workers build different kernels.
+    assert len({(c["dtype"], c["head_dim"]) for c in cases[:15]}) == 15
 
 
 def ok_result(**errors):
@@ -55,14 +68,14 @@ def test_judging_of_results():
 
 
 def test_sweep_records_failures_and_crashes():
-    cases = gpu_check.sweep_cases()[:3]
+    cases = [case for case in gpu_check.sweep_cases() if case["dtype"] == "float32"][:3]
 
     def runner(case):
         if case is cases[1]:
             raise RuntimeError("the Triton backend failed in _plap_fwd_kernel")
         return ok_result(dk=0.5) if case is cases[2] else ok_result()
 
-    results = gpu_check.run_sweep(cases, runner, log=lambda line: None)
+    results = gpu_check.run_sweep(cases, runner, log=quiet)
     assert [r["failures"] for r in results] == [
         [], ["RuntimeError: the Triton backend failed in _plap_fwd_kernel"], ["dk error 5.00e-01 > 1.0e-04"]
     ]
@@ -80,7 +93,7 @@ def small_case(**overrides):
 def test_a_case_measured_for_real_on_cpu(backend):
     if backend == "triton" and not triton_module.INTERPRETED:
         pytest.skip("the Triton backend runs on CPU only under the interpreter")
-    result = gpu_check.run_case(small_case(backend=backend), torch.device("cpu"))
+    result = gpu_check.run_case(small_case(backend=backend), CPU)
     assert result["status"] == "ok" and result["backend"] in ("eager", "tiled", "triton")
     assert result["finite"] and result["bitwise_rerun"]
     assert set(result["errors"]) == {"out", "dq", "dk", "dv"}
@@ -88,18 +101,220 @@ def test_a_case_measured_for_real_on_cpu(backend):
     assert gpu_check.judge(small_case(), result) == []
 
 
+@pytest.mark.parametrize("kind, masked", [("repeated", True), ("packed", True), ("packed", False)])
+def test_repeated_values_and_packed_rows_on_cpu(kind, masked):
+    case = small_case(kind=kind, masked=masked, shape=gpu_check.SQUARE)
+    inputs, p, kwargs, grad_out = gpu_check.make_case_inputs(case, CPU)
+    if kind == "repeated":
+        value = inputs[2]
+        assert all(torch.equal(value[:, :, position], value[:, :, 4]) for position in gpu_check.REPEATS)
+    else:
+        assert kwargs["is_causal"] == masked and "attn_mask" not in kwargs
+        assert kwargs["document_ids"].shape == (2, 200) and kwargs["document_ids"][0].unique().numel() == 4
+    result = gpu_check.run_case(case, CPU)
+    assert result["status"] == "ok" and gpu_check.judge(case, result) == [], result
+
+
+def test_packed_reference_is_each_document_alone():
+    """Attention across documents (document_ids ignored) is far from the reference: the check can fail."""
+    case = small_case(kind="packed", shape=gpu_check.SQUARE)
+    inputs, p, kwargs, _ = gpu_check.make_case_inputs(case, CPU)
+    with torch.no_grad():
+        alone = gpu_check.each_document_alone(inputs, p, kwargs, "eager")
+        packed = gpu_check.attend(inputs, p, kwargs, "eager")
+        across = gpu_check.attend(inputs, p, dict(kwargs, document_ids=None), "eager")
+    assert gpu_check.relative_error(packed, alone) < 1e-6
+    assert gpu_check.relative_error(across, alone) > 1e-2
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_conversion_case_on_cpu(dtype):
+    case = dict(kind="convert", model="llama", dtype=dtype)
+    result = gpu_check.run_case(case, CPU)
+    assert result["status"] == "ok" and gpu_check.judge(case, result) == []
+    assert result["max_abs_diff"] <= 1e-2 * result["max_abs_logit"]
+
+
 def test_tf32_case_and_skips_on_cpu(monkeypatch):
-    tf32 = gpu_check.run_case(small_case(kind="tf32", backend="tiled", formulation="paper"), torch.device("cpu"))
+    tf32 = gpu_check.run_case(small_case(kind="tf32", backend="tiled", formulation="paper"), CPU)
     assert set(tf32["errors_without_tf32"]) == {"out", "dq", "dk", "dv"}
     monkeypatch.setattr(triton_module, "INTERPRETED", False)  # the Triton backend then refuses CPU tensors
-    skipped = gpu_check.run_case(small_case(backend="triton"), torch.device("cpu"))
+    skipped = gpu_check.run_case(small_case(backend="triton"), CPU)
     assert skipped["status"] == "skipped" and "backend 'triton' cannot run this input" in skipped["reason"]
 
 
-def test_report_is_json(tmp_path):
-    report = dict(environment=dict(gpu="fake"), sweep=[dict(case="x", failures=[])], failures=[])
-    path = gpu_check.write_report(tmp_path / "out", report)
-    assert json.loads(path.read_text()) == report
+def test_sweep_in_a_spawned_worker():
+    """Results come back in the cases' order; a case that raises in the worker is an error with its traceback."""
+    cases = [small_case(), small_case(dtype="no-such-dtype")]
+    results = gpu_check.sweep_section(CPU, quiet, workers=1, cases=cases)
+    assert results[0]["status"] == "ok" and results[0]["failures"] == []
+    assert results[1]["status"] == "error" and results[1]["failures"] == ["KeyError: 'no-such-dtype'"]
+    assert "make_case_inputs" in results[1]["trace"]  # the worker's own traceback
+
+
+def test_backend_spy_counts_the_dispatchers_choices_and_restores_it():
+    from modeling_plat import plap_attention
+
+    module = sys.modules["modeling_plat.plap_attention"]
+    original = module.choose_backend
+    q = torch.randn(1, 2, 8, 4)
+    with gpu_check.backend_spy() as chosen:
+        plap_attention(q, q, q, (1.5, 2.0))  # the p = 2 head runs SDPA: no choice
+        plap_attention(q, q, q, 2.5, backend="tiled")
+    assert chosen == {"eager": 1, "tiled": 1}
+    assert module.choose_backend is original
+
+
+def test_attention_section_on_cpu():
+    rows = gpu_check.attention_section(CPU, quiet, shapes={"tiny": (1, 2, 24, 8, True)}, warmup=0, repeats=1)
+    (row,) = rows
+    assert row["plat"]["backends"] == {"eager": 2}  # forward and forward + backward, one p != 2 head group
+    assert row["plat"]["fwd_ms"] > 0 and row["plat"]["fwd_bwd_peak_mib"] is None  # peak memory: CUDA only
+    assert row["ratio_to_sdpa"]["fwd_bwd"] == row["plat"]["fwd_bwd_ms"] / row["sdpa"]["fwd_bwd_ms"]
+    assert "unavailable" in row["sdpa-cudnn"] and "ratio_to_sdpa-cudnn" not in row  # no cuDNN on a CPU
+    assert "failures" not in row
+
+
+def test_train_section_on_cpu():
+    rows = gpu_check.train_section(CPU, quiet, batches={"ptb": 2}, warmup=0, repeats=1)
+    assert [row["name"] for row in rows] == ["plat-ptb-tiny", "softmax-ptb-tiny"]
+    plat, softmax = rows
+    assert plat["step_ms"] > 0 and plat["baseline"] == "softmax-ptb-tiny" and softmax["ratio"] == 1.0
+    assert set(plat["backends"]) <= {"eager", "tiled"} and sum(plat["backends"].values()) >= 4  # every layer
+    assert softmax["backends"] == {}  # p = 2: SDPA, no choice made
+
+
+def test_compile_section_on_cpu(tmp_path):
+    """A one-layer plat-ptb-tiny, so that tracing takes seconds."""
+    preset = tmp_path / "config.json"
+    config = json.loads(Path(resolve_config_name("plat-ptb-tiny")).read_text())
+    preset.write_text(json.dumps(dict(config, num_hidden_layers=1, hidden_size=32, intermediate_size=64)))
+    rows = gpu_check.compile_section(CPU, quiet, presets=(str(preset),), cuda_graphs_preset=str(preset),
+                                     compiler="aot_eager", batch=2, warmup=1, repeats=1, new_tokens=3)  # fmt: skip
+    step, graphs, generate = rows
+    assert "error" not in step and step["graph_breaks"] == 0 and step["graphs"] == 1, step
+    (chosen,) = step["backends"]  # the backend compiled in is the one eager runs
+    assert step["ratio_to_eager"] > 0 and step["backends"] == {chosen: 1}  # 3 calls, counted once while tracing
+    assert step["eager"]["backends"] == {chosen: 2}  # counted per call: warm-up, timed step
+    assert graphs["skipped"] == "CUDA graphs need a CUDA device"
+    assert "error" not in generate and generate["graph_breaks"] == 0 and generate["tokens_equal_eager"], generate
+    assert generate["graphs"] == 3  # the prompt, the first step, then one graph for every cache length
+
+
+def test_decode_section_on_cpu():
+    rows = gpu_check.decode_section(CPU, quiet, shapes=("gpt2",), batch_sizes=(1,), new_tokens=3, repeats=1,
+                                    dtype=torch.float32)  # fmt: skip
+    assert [row["model"] for row in rows] == ["plat-gpt2", "softmax-gpt2", "transformers-sdpa"]
+    assert all(row["tokens_per_s"] > 0 and "ratio_to_transformers" in row for row in rows)
+    assert "decode" in rows[0]["backends"]
+
+
+FAKE_JOB = """import json, sys, pathlib
+out = pathlib.Path(sys.argv[sys.argv.index("--output_dir") + 1])
+{body}
+"""
+
+
+@pytest.mark.parametrize("body, timeout_s, failures", [
+    ("out.mkdir(parents=True); (out / 'all_results.json').write_text(json.dumps({'test_perplexity': 236.1}))", 60, None),
+    ("print('Traceback: no data'); sys.exit(3)", 60, ["exit status 3, no all_results.json"]),
+    ("import time; time.sleep(30)", 1, ["timed out after 1 s"]),
+])  # fmt: skip
+def test_main_job_section_records_metrics_or_failures(tmp_path, body, timeout_s, failures):
+    script = tmp_path / "job.py"
+    script.write_text(FAKE_JOB.format(body=body))
+    (row,) = gpu_check.main_job_section(CPU, quiet, timeout_s=timeout_s, script=script)
+    assert row.get("failures") == failures and row["wall_s"] > 0
+    assert " plat-ptb-tiny.yaml --output_dir " in row["command"]
+    if failures is None:
+        assert row["metrics"] == {"test_perplexity": 236.1}
+    elif "exit" in failures[0]:
+        assert "no data" in row["output_tail"]
+
+
+def test_main_job_arguments_are_run_clms():
+    from transformers import HfArgumentParser
+
+    from plat_train.arguments import PlatTrainingArguments, parse_args
+    from plat_train.causal_lm import TextDataArguments, TextModelArguments
+
+    parser = HfArgumentParser((TextModelArguments, TextDataArguments, PlatTrainingArguments))
+    argv = gpu_check.main_job_arguments("/tmp/plat-ptb-tiny", torch.device("cuda"))
+    assert argv[-2:] == ["--bf16", "true"]
+    model, data, training = parse_args(parser, argv[:-2])  # bf16 is checked against the machine
+    assert (model.config_name, training.max_steps, training.output_dir) == ("plat-ptb-tiny", 450, "/tmp/plat-ptb-tiny")
+
+
+class FakeClock:
+    def __init__(self):
+        self.now, self.lines = 0.0, []
+
+    def elapsed(self):
+        return self.now
+
+    def __call__(self, line):
+        self.lines.append(line)
+
+
+def test_budget_guard_errors_and_saving():
+    clock, saved = FakeClock(), []
+
+    def advance(seconds, rows):
+        clock.now += seconds
+        return rows
+
+    def broken():
+        raise RuntimeError("illegal memory access")
+
+    runs = [("sweep", lambda: advance(50, [{"case": "a", "failures": []}])), ("attention", broken),
+            ("train", lambda: advance(30, [])), ("compile", lambda: advance(1, [])), ("main-job", lambda: [])]
+    expected = dict(sweep=60, attention=10, train=20, compile=30, **{"main-job": 5})
+    results = gpu_check.run_sections(runs, 100, clock, lambda done: saved.append(dict(done)), expected)
+    assert [results[name]["status"] for name, _ in runs] == ["ok", "error", "ok", "skipped", "ok"]
+    assert results["sweep"]["rows"] == [{"case": "a", "failures": []}] and results["sweep"]["seconds"] == 50
+    assert results["attention"]["failures"] == ["RuntimeError: illegal memory access"]
+    assert results["compile"]["reason"] == "budget: 80 s used + about 30 s expected > 100 s"
+    assert [list(done) for done in saved] == [[name for name, _ in runs[:i]] for i in range(1, 6)]
+    assert any("section compile skipped" in line for line in clock.lines)
+
+
+def section(*rows):
+    return dict(status="ok", rows=list(rows))
+
+
+def test_targets_and_failures():
+    fused = {"triton": 8}
+    sections = dict(
+        attention=section(dict(name="paper-lm", plat=dict(backends=fused), ratio_to_sdpa=dict(fwd=3.0, fwd_bwd=2.4))),
+        train=section(dict(name="plat-llama-125m", ratio=1.4, backends=fused),
+                      dict(name="llama-125m-sdpa", ratio=1.0, backends={})),
+        compile=section(*[dict(name=f"{preset}/{kind}", kind=kind, graph_breaks=0, backends=fused)
+                          for preset in gpu_check.COMPILE_PRESETS for kind in ("train-step", "generate")],
+                        dict(name="plat-ptb-tiny/train-step-cuda-graphs", kind="train-step-cuda-graphs",
+                             error="RuntimeError: x", failures=["RuntimeError: x"])),
+        decode=section(dict(name="gpt2/plat-gpt2/batch1", backends={"decode": 3, "tiled": 1})),
+    )  # fmt: skip
+    sections["compile"]["rows"][0]["ratio_to_eager"] = 0.7
+    targets = gpu_check.judge_targets(sections, ["attention", "train", "compile", "decode"])
+    assert [target["passed"] for target in targets] == [False, True, True, True, False, False]
+    assert targets[0]["line"].startswith("FAIL llama-125m training step <= 1.3") and targets[0]["value"] == 1.4
+    assert "gpt2/plat-gpt2/batch1" in targets[5]["value"]
+    failures = gpu_check.collect_failures(sections, targets)
+    assert failures[0] == "compile plat-ptb-tiny/train-step-cuda-graphs: RuntimeError: x"
+    assert len(failures) == 1 + 3
+    # Only the requested sections' targets; a requested section that did not run measures nothing.
+    skipped = dict(train=dict(status="skipped", reason="budget"))
+    (only,) = gpu_check.judge_targets(skipped, ["train"])[:1]
+    assert only["passed"] is None and only["line"].startswith("NOT MEASURED")
+    assert gpu_check.judge_targets({}, ["sweep"]) == []
+
+
+def test_record_path_and_report(tmp_path):
+    path = gpu_check.record_path(tmp_path, "NVIDIA H100 80GB HBM3", "2026-11-26")
+    assert path == tmp_path / "gpu_check-h100-80gb-hbm3-2026-11-26.json"
+    assert gpu_check.record_path(tmp_path / "x.json", "NVIDIA H200", "2026-11-26") == tmp_path / "x.json"
+    report = dict(environment=dict(gpu="fake"), sections=dict(sweep=section()), failures=[])
+    assert json.loads(gpu_check.write_report(tmp_path / "new" / "r.json", report).read_text()) == report
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without a GPU")
