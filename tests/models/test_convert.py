@@ -1,4 +1,5 @@
-"""convert_to_plat and its command line: same weights, same outputs at p = 2, clear errors otherwise."""
+"""convert_to_plat and its command line: same weights, same outputs at p = 2, clear errors otherwise; the models
+compared on the tests' device (tests/device.py)."""
 
 import copy
 import json
@@ -24,6 +25,7 @@ from transformers import (
     ViTModel,
 )
 
+from device import DEVICE
 from modeling_plat import PlatForCausalLM, PlatVisionModel
 from modeling_plat.convert import convert_to_plat
 from tiny import train_losses
@@ -59,13 +61,13 @@ def llama_family(name):
 
 @pytest.mark.parametrize("name", sorted(LLAMA_FAMILY))
 def test_llama_family_converts_exactly_at_p2(name):
-    source = llama_family(name)
-    plat = convert_to_plat(source, plap_p=2.0)
+    source = llama_family(name).to(DEVICE)
+    plat = convert_to_plat(source, plap_p=2.0).to(DEVICE)
     config = plat.config
     assert config.num_key_value_heads == source.config.num_key_value_heads
     assert config.rope_parameters["rope_theta"] == source.config.rope_parameters["rope_theta"]
     assert (plat.lm_head.weight is plat.model.embed_tokens.weight) == source.config.tie_word_embeddings
-    ids = torch.randint(3, 61, (3, 11))
+    ids = torch.randint(3, 61, (3, 11)).to(DEVICE)
     torch.testing.assert_close(plat(ids).logits, source(ids).logits, rtol=1e-5, atol=1e-5)
     mask = torch.ones_like(ids)
     mask[1, :4] = mask[2, :2] = 0  # left padding
@@ -73,7 +75,7 @@ def test_llama_family_converts_exactly_at_p2(name):
     torch.testing.assert_close(padded[mask.bool()], expected[mask.bool()], rtol=1e-5, atol=1e-5)
     greedy = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, use_cache=True)
     assert torch.equal(plat.generate(ids, **greedy), source.generate(ids, **greedy))
-    assert not torch.allclose(convert_to_plat(source)(ids).logits, source(ids).logits, atol=1e-3)
+    assert not torch.allclose(convert_to_plat(source).to(DEVICE)(ids).logits, source(ids).logits, atol=1e-3)
 
 
 @pytest.mark.parametrize("model_class, config, field", [
@@ -104,17 +106,17 @@ def tiny_gpt2():
 
 def test_vit_model_trunk_converts_exactly():
     torch.manual_seed(0)
-    vit = ViTModel(ViTConfig(**VIT)).eval()
-    plat = convert_to_plat(vit, plap_p=2.0)
+    vit = ViTModel(ViTConfig(**VIT)).eval().to(DEVICE)
+    plat = convert_to_plat(vit, plap_p=2.0).to(DEVICE)
     assert isinstance(plat, PlatVisionModel)
-    pixels = torch.randn(2, 3, 16, 16)
+    pixels = torch.randn(2, 3, 16, 16).to(DEVICE)
     torch.testing.assert_close(plat(pixels).last_hidden_state, vit(pixels).last_hidden_state, rtol=1e-5, atol=1e-5)
 
 
 def test_converted_paper_mix_trains():
-    plat = convert_to_plat(tiny_gpt2(), plap_p=[1.5, 1.5, 2.5, 2.5])
+    plat = convert_to_plat(tiny_gpt2(), plap_p=[1.5, 1.5, 2.5, 2.5]).to(DEVICE)
     assert plat.config.plap_p == [1.5, 1.5, 2.5, 2.5]
-    ids = torch.randint(0, 61, (4, 16))
+    ids = torch.randint(0, 61, (4, 16)).to(DEVICE)
     losses = train_losses(plat, 8, 1e-3, input_ids=ids, labels=ids)
     assert losses[-1] < losses[0]
 
@@ -140,8 +142,8 @@ def test_cli_converts_a_qwen2_checkpoint(tmp_path):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Llama-style" in (output / "README.md").read_text()
-    plat = PlatForCausalLM.from_pretrained(output).eval()
-    ids = torch.randint(3, 61, (2, 9))
+    plat, qwen2 = PlatForCausalLM.from_pretrained(output).eval().to(DEVICE), qwen2.to(DEVICE)
+    ids = torch.randint(3, 61, (2, 9)).to(DEVICE)
     torch.testing.assert_close(plat(ids).logits, qwen2(ids).logits, rtol=1e-5, atol=1e-5)
 
 
@@ -158,6 +160,6 @@ def test_cli_round_trip(tmp_path):
     config = json.loads((output / "config.json").read_text())
     assert config["model_type"] == "plat" and config["plap_p"] == 2.0
     assert "base_model: " + str(source) in (output / "README.md").read_text()
-    plat = PlatForCausalLM.from_pretrained(output).eval()
-    ids = torch.randint(0, 61, (2, 9))
+    plat, gpt2 = PlatForCausalLM.from_pretrained(output).eval().to(DEVICE), gpt2.to(DEVICE)
+    ids = torch.randint(0, 61, (2, 9)).to(DEVICE)
     torch.testing.assert_close(plat(ids).logits, gpt2(ids).logits, rtol=1e-5, atol=1e-5)

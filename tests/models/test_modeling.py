@@ -1,4 +1,6 @@
-"""PlatConfig, PlatForCausalLM and PlatForImageClassification held to transformers' own model-test bar."""
+"""PlatConfig, PlatForCausalLM and PlatForImageClassification held to transformers' own model-test bar, on the
+tests' device (tests/device.py). Random inputs are drawn on the CPU and moved, so every device sees the same
+values."""
 
 import copy
 import json
@@ -23,6 +25,7 @@ from transformers import (
 )
 from transformers.cache_utils import Cache, DynamicCache
 
+from device import DEVICE, ON_CUDA
 from modeling_plat import (
     PlatConfig,
     PlatForCausalLM,
@@ -132,12 +135,13 @@ def test_checkpoint_saved_before_the_llama_shapes_loads_with_its_weights_and_log
     fields in its config.json), with the logits that code computed. Weights load bit for bit; logits agree to
     float32 rounding only, since CPUs of one kind sum matmuls in different orders (AVX2 or AVX-512 kernels)."""
     folder = Path(__file__).parents[1] / "fixtures" / "plat-lm-3c7952d"
-    expected = torch.load(folder / "expected.pt")
+    expected = torch.load(folder / "expected.pt", map_location=DEVICE)
     model = AutoModelForCausalLM.from_pretrained(folder).eval()
     assert "position_embedding_type" not in json.loads((folder / "config.json").read_text())
     saved = load_file(folder / "model.safetensors")
     loaded = model.state_dict()
     assert all(torch.equal(loaded[name], tensor) for name, tensor in saved.items())
+    model = model.to(DEVICE)
     with torch.no_grad():
         torch.testing.assert_close(model(expected["input_ids"]).logits, expected["logits"], rtol=1e-5, atol=1e-6)
 
@@ -151,10 +155,10 @@ def test_grouped_query_attention_matches_the_reference_with_repeated_kv(backend,
     if backend == "triton":
         pytest.importorskip("triton")
     p = [1.5, 2.5, 1.2, 3.0]
-    model = lm(**LLAMA_SHAPE | dict(num_key_value_heads=num_kv_heads, plap_p=p, plap_backend=backend))
+    model = lm(**LLAMA_SHAPE | dict(num_key_value_heads=num_kv_heads, plap_p=p, plap_backend=backend)).to(DEVICE)
     attention = model.model.layers[0].attention
-    hidden = torch.randn(2, 7, 32, requires_grad=True)
-    mask = torch.ones(2, 7, dtype=torch.bool)
+    hidden = torch.randn(2, 7, 32).to(DEVICE).requires_grad_()
+    mask = torch.ones(2, 7, dtype=torch.bool, device=DEVICE)
     mask[1, :2] = False
     position_ids = (mask.long().cumsum(-1) - 1).clamp_min(0)
     rotary = model.model.rotary_emb(hidden, position_ids)
@@ -190,7 +194,9 @@ def test_grouped_query_attention_matches_the_reference_with_repeated_kv(backend,
 
 def test_rotary_positions_have_no_length_limit_but_learned_ones_do():
     ids = torch.randint(2, 61, (1, 50))  # max_position_embeddings is 40
-    assert lm(**LLAMA_SHAPE)(ids).logits.shape == (1, 50, 61)
+    assert lm(**LLAMA_SHAPE).to(DEVICE)(ids.to(DEVICE)).logits.shape == (1, 50, 61)
+    # On the CPU: the limit is a host read of the positions, made for CPU tensors only (_check_range); on a GPU a
+    # position past the table is a device-side assert, after which no other test could run.
     with pytest.raises(ValueError, match="max_position_embeddings"):
         lm()(ids)
 
@@ -201,20 +207,20 @@ def test_rotary_positions_have_no_length_limit_but_learned_ones_do():
 def test_p2_language_model_equals_gpt2():
     torch.manual_seed(0)
     gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=61, n_positions=40,
-                                      bos_token_id=0, eos_token_id=0)).eval()
-    plat = convert_to_plat(gpt2, plap_p=2.0)
-    ids = torch.randint(0, 61, (3, 17))
+                                      bos_token_id=0, eos_token_id=0)).eval().to(DEVICE)
+    plat = convert_to_plat(gpt2, plap_p=2.0).to(DEVICE)
+    ids = torch.randint(0, 61, (3, 17)).to(DEVICE)
     torch.testing.assert_close(plat(ids).logits, gpt2(ids).logits, rtol=1e-5, atol=1e-5)
-    assert not torch.allclose(convert_to_plat(gpt2)(ids).logits, gpt2(ids).logits, atol=1e-3)
+    assert not torch.allclose(convert_to_plat(gpt2).to(DEVICE)(ids).logits, gpt2(ids).logits, atol=1e-3)
 
 
 def test_p2_classifier_equals_vit():
     torch.manual_seed(0)
     vit = ViTForImageClassification(ViTConfig(num_hidden_layers=2, hidden_size=24, num_attention_heads=3,
                                               intermediate_size=48, image_size=16, patch_size=4,
-                                              num_labels=5)).eval()
-    plat = convert_to_plat(vit, plap_p=2.0)
-    pixels = torch.randn(2, 3, 16, 16)
+                                              num_labels=5)).eval().to(DEVICE)
+    plat = convert_to_plat(vit, plap_p=2.0).to(DEVICE)
+    pixels = torch.randn(2, 3, 16, 16).to(DEVICE)
     torch.testing.assert_close(plat(pixels).logits, vit(pixels).logits, rtol=1e-5, atol=1e-5)
 
 
@@ -222,8 +228,8 @@ def test_p2_classifier_equals_vit():
 
 
 def test_lm_outputs_and_loss(shape):
-    model = lm(**shape)
-    ids = torch.randint(2, 61, (2, 9))
+    model = lm(**shape).to(DEVICE)
+    ids = torch.randint(2, 61, (2, 9)).to(DEVICE)
     out = model(ids, labels=ids, output_attentions=True, output_hidden_states=True)
     assert out.logits.shape == (2, 9, 61)
     expected = torch.nn.functional.cross_entropy(out.logits[:, :-1].reshape(-1, 61), ids[:, 1:].reshape(-1))
@@ -238,26 +244,27 @@ def test_lm_outputs_and_loss(shape):
 
 
 def test_attentions_are_the_effective_weights():
-    model = lm(plap_p=[1.5, 2.5, 2.0, 3.0])
-    ids = torch.randint(2, 61, (1, 6))
+    model = lm(plap_p=[1.5, 2.5, 2.0, 3.0]).to(DEVICE)
+    ids = torch.randint(2, 61, (1, 6)).to(DEVICE)
     out = model(ids, output_attentions=True, output_hidden_states=True)
     layer = model.model.layers[0]
     hidden = layer.attn_norm(out.hidden_states[0])
     q = layer.attention.q_proj(hidden).view(1, 6, 4, 8).transpose(1, 2)
     k = layer.attention.k_proj(hidden).view(1, 6, 4, 8).transpose(1, 2)
     v = layer.attention.v_proj(hidden).view(1, 6, 4, 8).transpose(1, 2)
-    expected = plap_attention_weights(q, k, v, torch.tensor([1.5, 2.5, 2.0, 3.0]), is_causal=True)
+    expected = plap_attention_weights(q, k, v, torch.tensor([1.5, 2.5, 2.0, 3.0], device=DEVICE),
+                                      is_causal=True)
     torch.testing.assert_close(out.attentions[0], expected)
     assert (out.attentions[0][:, :3].sum(-1) - 1).abs().max() > 1e-3  # rows of A * P need not sum to 1
 
 
 @pytest.mark.parametrize("argument", ["cache", "past_key_values"])  # transformers >= 5.24 passes cache=
 def test_incremental_decoding_matches_full_forward(argument, shape):
-    model = lm(**shape)
+    model = lm(**shape).to(DEVICE)
     # Distinct tokens: with rotary positions a repeated token has the same first-layer value, and the rounding of
     # its D2 ~ 0 (a matmul expansion) differs between a full and a cached forward; the paper formulation's
     # (D2 + eps)^((p - 2) / 2) amplifies that to ~1e-4 in the logits.
-    ids = torch.stack([torch.randperm(59)[:12] + 2 for _ in range(2)])
+    ids = torch.stack([torch.randperm(59)[:12] + 2 for _ in range(2)]).to(DEVICE)
     full = model(ids, use_cache=False).logits
     prefix = model(ids[:, :7], use_cache=True)
     cache, steps = getattr(prefix, CACHE_NAME), [prefix.logits]
@@ -269,49 +276,52 @@ def test_incremental_decoding_matches_full_forward(argument, shape):
 
 
 def test_a_cache_under_both_names_is_refused():
-    model = lm()
-    cache = getattr(model(torch.randint(2, 61, (1, 4)), use_cache=True), CACHE_NAME)
+    model = lm().to(DEVICE)
+    cache = getattr(model(torch.randint(2, 61, (1, 4)).to(DEVICE), use_cache=True), CACHE_NAME)
     with pytest.raises(ValueError, match="Pass the KV cache once"):
-        model(torch.randint(2, 61, (1, 1)), cache=cache, past_key_values=cache)
+        model(torch.randint(2, 61, (1, 1)).to(DEVICE), cache=cache, past_key_values=cache)
 
 
 def test_trainer_predictions_leave_the_cache_out(tmp_path):
     model = lm()
+    # Host rows, as a dataset holds them: the Trainer moves the model and each batch to its device (the tests' one),
+    # and its data loader pins host memory on a GPU machine (CUDA tensors cannot be pinned).
     ids = torch.randint(2, 61, (3, 6))
     dataset = [{"input_ids": row, "labels": row} for row in ids]
-    args = TrainingArguments(tmp_path, per_device_eval_batch_size=3, report_to=[], use_cpu=True, use_cache=True)
+    args = TrainingArguments(tmp_path, per_device_eval_batch_size=3, report_to=[], use_cpu=not ON_CUDA,
+                             use_cache=True)
     predictions = Trainer(model, args).predict(dataset).predictions
     assert isinstance(predictions, np.ndarray) and predictions.shape == (3, 6, 61)
 
 
 @pytest.mark.parametrize("formulation", ["paper", "euler"])
 def test_greedy_generate_with_and_without_cache(formulation, shape):
-    model = lm(plap_formulation=formulation, **shape)
-    prompt = torch.randint(2, 61, (2, 5))
+    model = lm(plap_formulation=formulation, **shape).to(DEVICE)
+    prompt = torch.randint(2, 61, (2, 5)).to(DEVICE)
     cached = model.generate(prompt, max_new_tokens=10, do_sample=False, use_cache=True)
     uncached = model.generate(prompt, max_new_tokens=10, do_sample=False, use_cache=False)
     assert torch.equal(cached, uncached) and cached.shape == (2, 15)
 
 
 def test_sampling_beam_and_assisted_generation_run(shape):
-    model = lm(**shape)
-    prompt = torch.randint(2, 61, (2, 4))
+    model = lm(**shape).to(DEVICE)
+    prompt = torch.randint(2, 61, (2, 4)).to(DEVICE)
     torch.manual_seed(0)
     assert model.generate(prompt, max_new_tokens=6, do_sample=True, top_k=10).shape == (2, 10)
     beams = model.generate(prompt, max_new_tokens=6, num_beams=3, num_return_sequences=2)
     assert beams.shape == (4, 10)
-    assistant = lm(num_hidden_layers=1, **shape)
+    assistant = lm(num_hidden_layers=1, **shape).to(DEVICE)
     assisted = model.generate(prompt[:1], max_new_tokens=6, do_sample=False, assistant_model=assistant)
     assert torch.equal(assisted, model.generate(prompt[:1], max_new_tokens=6, do_sample=False))
 
 
 @pytest.mark.parametrize("side", ["left", "right"])
 def test_padded_batch_equals_unpadded_runs(side, shape):
-    model = lm(plap_p=[1.1, 1.5, 2.5, 3.0], **shape)
-    seqs = [torch.randint(2, 61, (n,)) for n in (9, 5, 7)]
+    model = lm(plap_p=[1.1, 1.5, 2.5, 3.0], **shape).to(DEVICE)
+    seqs = [torch.randint(2, 61, (n,)).to(DEVICE) for n in (9, 5, 7)]
     width = 9
-    batch = torch.zeros(3, width, dtype=torch.long)
-    mask = torch.zeros(3, width, dtype=torch.long)
+    batch = torch.zeros(3, width, dtype=torch.long, device=DEVICE)
+    mask = torch.zeros(3, width, dtype=torch.long, device=DEVICE)
     for i, s in enumerate(seqs):
         where = slice(width - len(s), width) if side == "left" else slice(0, len(s))
         batch[i, where], mask[i, where] = s, 1
@@ -323,22 +333,22 @@ def test_padded_batch_equals_unpadded_runs(side, shape):
 
 
 def test_left_padded_generation_equals_unpadded(shape):
-    model = lm(**shape)
-    short, long = torch.randint(2, 61, (4,)), torch.randint(2, 61, (6,))
-    batch = torch.stack([torch.cat([torch.zeros(2, dtype=torch.long), short]), long])
-    mask = (torch.arange(6)[None] >= torch.tensor([[2], [0]])).long()
+    model = lm(**shape).to(DEVICE)
+    short, long = torch.randint(2, 61, (4,)).to(DEVICE), torch.randint(2, 61, (6,)).to(DEVICE)
+    batch = torch.stack([torch.cat([torch.zeros(2, dtype=torch.long, device=DEVICE), short]), long])
+    mask = (torch.arange(6, device=DEVICE)[None] >= torch.tensor([[2], [0]], device=DEVICE)).long()
     out = model.generate(batch, attention_mask=mask, max_new_tokens=5, do_sample=False)
     alone = model.generate(short[None], max_new_tokens=5, do_sample=False)
     assert torch.equal(out[0, 2:], alone[0])
 
 
 def test_inputs_embeds_and_position_ids(shape):
-    model = lm(**shape)
-    ids = torch.randint(2, 61, (2, 6))
+    model = lm(**shape).to(DEVICE)
+    ids = torch.randint(2, 61, (2, 6)).to(DEVICE)
     embeds = model.get_input_embeddings()(ids)
     torch.testing.assert_close(model(inputs_embeds=embeds).logits, model(ids).logits)
     # Spread, not shifted: rotary positions see only the distances between tokens.
-    spread = model(ids, position_ids=torch.tensor([[0, 2, 3, 5, 8, 9]]).expand(2, -1)).logits
+    spread = model(ids, position_ids=torch.tensor([[0, 2, 3, 5, 8, 9]], device=DEVICE).expand(2, -1)).logits
     assert not torch.allclose(spread, model(ids).logits)
 
 
@@ -346,25 +356,26 @@ def test_inputs_embeds_and_position_ids(shape):
 
 
 def test_classifier_single_multi_label_and_regression_losses():
-    pixels = torch.randn(4, 3, 16, 16)
-    model = classifier()
-    out = model(pixels, labels=torch.tensor([0, 1, 4, 2]), output_attentions=True, output_hidden_states=True)
-    torch.testing.assert_close(out.loss, torch.nn.functional.cross_entropy(out.logits, torch.tensor([0, 1, 4, 2])))
+    pixels = torch.randn(4, 3, 16, 16).to(DEVICE)
+    model = classifier().to(DEVICE)
+    labels = torch.tensor([0, 1, 4, 2], device=DEVICE)
+    out = model(pixels, labels=labels, output_attentions=True, output_hidden_states=True)
+    torch.testing.assert_close(out.loss, torch.nn.functional.cross_entropy(out.logits, labels))
     assert out.attentions[0].shape == (4, 3, 17, 17) and len(out.hidden_states) == 3
-    multi = classifier(problem_type="multi_label_classification")
-    targets = (torch.rand(4, 5) > 0.5).float()
+    multi = classifier(problem_type="multi_label_classification").to(DEVICE)
+    targets = (torch.rand(4, 5) > 0.5).float().to(DEVICE)
     out = multi(pixels, labels=targets)
     torch.testing.assert_close(out.loss, torch.nn.functional.binary_cross_entropy_with_logits(out.logits, targets))
-    regression = classifier(num_labels=1)
-    out = regression(pixels, labels=torch.randn(4))
+    regression = classifier(num_labels=1).to(DEVICE)
+    out = regression(pixels, labels=torch.randn(4).to(DEVICE))
     assert out.logits.shape == (4, 1) and out.loss.ndim == 0
 
 
 def test_classifier_single_channel_and_interpolated_positions():
-    model = classifier(num_channels=1)
-    assert model(torch.randn(2, 1, 16, 16)).logits.shape == (2, 5)
-    assert model(torch.randn(2, 1, 24, 32), interpolate_pos_encoding=True).logits.shape == (2, 5)
-    same = model(torch.randn(2, 1, 16, 16), interpolate_pos_encoding=True)
+    model = classifier(num_channels=1).to(DEVICE)
+    assert model(torch.randn(2, 1, 16, 16).to(DEVICE)).logits.shape == (2, 5)
+    assert model(torch.randn(2, 1, 24, 32).to(DEVICE), interpolate_pos_encoding=True).logits.shape == (2, 5)
+    same = model(torch.randn(2, 1, 16, 16).to(DEVICE), interpolate_pos_encoding=True)
     assert same.logits.shape == (2, 5)
 
 
@@ -373,7 +384,7 @@ def test_reload_with_other_num_labels(tmp_path):
     with pytest.raises(RuntimeError, match="ignore_mismatched_sizes|size mismatch"):
         PlatForImageClassification.from_pretrained(tmp_path, num_labels=7)
     model = PlatForImageClassification.from_pretrained(tmp_path, num_labels=7, ignore_mismatched_sizes=True)
-    assert model(torch.randn(1, 3, 16, 16)).logits.shape == (1, 7)
+    assert model.to(DEVICE)(torch.randn(1, 3, 16, 16).to(DEVICE)).logits.shape == (1, 7)
 
 
 # ---------------------------------------------------------------- both families
@@ -381,9 +392,10 @@ def test_reload_with_other_num_labels(tmp_path):
 
 @pytest.mark.parametrize("family", ["text", "vision"])
 def test_gradient_checkpointing_gives_the_same_gradients(family):
-    model = lm(hidden_dropout_prob=0.0, **LLAMA_SHAPE) if family == "text" else classifier()
+    model = (lm(hidden_dropout_prob=0.0, **LLAMA_SHAPE) if family == "text" else classifier()).to(DEVICE)
     inputs = (dict(input_ids=torch.randint(2, 61, (2, 8)), labels=torch.randint(2, 61, (2, 8)))
               if family == "text" else dict(pixel_values=torch.randn(2, 3, 16, 16), labels=torch.tensor([1, 3])))
+    inputs = {name: tensor.to(DEVICE) for name, tensor in inputs.items()}
     model.train()
     model(**inputs).loss.backward()
     plain = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -397,15 +409,16 @@ def test_gradient_checkpointing_gives_the_same_gradients(family):
 @pytest.mark.parametrize("family", ["gpt2", "llama", "vision"])
 def test_save_load_round_trip_through_auto_classes(tmp_path, family):
     if family == "vision":
-        model = classifier(plap_p=[[1.5, 2.0, 2.5], [3.0, 1.1, 1.5]])
+        model = classifier(plap_p=[[1.5, 2.0, 2.5], [3.0, 1.1, 1.5]]).to(DEVICE)
     else:
-        model = lm(**TEXT_SHAPES[family])
+        model = lm(**TEXT_SHAPES[family]).to(DEVICE)
     auto = AutoModelForImageClassification if family == "vision" else AutoModelForCausalLM
     model.save_pretrained(tmp_path)
     assert (tmp_path / "model.safetensors").exists() and not (tmp_path / "pytorch_model.bin").exists()
-    reloaded = auto.from_pretrained(tmp_path).eval()
+    reloaded = auto.from_pretrained(tmp_path).eval().to(DEVICE)
     assert type(reloaded) is type(model)
-    inputs = torch.randn(2, 3, 16, 16) if family == "vision" else torch.randint(2, 61, (2, 7))
+    inputs = (torch.randn(2, 3, 16, 16) if family == "vision" else torch.randint(2, 61, (2, 7))).to(DEVICE)
+    # Exact: the same weights through the same kernels on the same device.
     torch.testing.assert_close(reloaded(inputs).logits, model(inputs).logits, rtol=0, atol=0)
     for layer, reloaded_layer in zip(model.base_model.layers, reloaded.base_model.layers):
         assert layer.attention.p_values == reloaded_layer.attention.p_values
@@ -414,12 +427,12 @@ def test_save_load_round_trip_through_auto_classes(tmp_path, family):
 
 
 def test_tied_or_untied_lm_head_and_meta_device_init(shape):
-    model = lm(**shape)
+    model = lm(**shape).to(DEVICE)
     tied = model.lm_head.weight is model.model.embed_tokens.weight
     assert tied == model.config.tie_word_embeddings
     with torch.device("meta"):
         meta = PlatForCausalLM(text_config(plap_p=[1.1, 1.5, 2.5, 3.0], **shape))
-    meta = meta.to_empty(device="cpu")
+    meta = meta.to_empty(device=DEVICE)
     meta.init_weights()
     for module in meta.modules():
         for name, tensor in list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False)):
@@ -430,22 +443,22 @@ def test_tied_or_untied_lm_head_and_meta_device_init(shape):
 
 
 def test_deterministic_in_eval_and_batch_size_invariant(shape):
-    model = lm(**shape)
-    ids = torch.randint(2, 61, (4, 10))
+    model = lm(**shape).to(DEVICE)
+    ids = torch.randint(2, 61, (4, 10)).to(DEVICE)
     first, second = model(ids).logits, model(ids).logits
     assert torch.equal(first, second)
     torch.testing.assert_close(model(ids[:1]).logits, first[:1], rtol=1e-5, atol=1e-6)
 
 
 def test_training_step_lowers_the_loss_with_the_paper_mix():
-    ids = torch.randint(2, 61, (4, 16))
-    losses = train_losses(lm(), 15, 3e-3, input_ids=ids, labels=ids)
+    ids = torch.randint(2, 61, (4, 16)).to(DEVICE)
+    losses = train_losses(lm().to(DEVICE), 15, 3e-3, input_ids=ids, labels=ids)
     assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < 0.7 * losses[0]
 
 
 def test_p_survives_copies_and_dtype_casts():
-    model = lm(plap_p=[1.1, 1.5, 2.5, 3.0])
+    model = lm(plap_p=[1.1, 1.5, 2.5, 3.0]).to(DEVICE)
     clone = copy.deepcopy(model).to(torch.bfloat16)
     assert clone.model.layers[0].attention.p_values == (1.1, 1.5, 2.5, 3.0)  # Python floats: nothing to round
-    ids = torch.randint(2, 61, (2, 6))
+    ids = torch.randint(2, 61, (2, 6)).to(DEVICE)
     torch.testing.assert_close(clone(ids).logits.float(), model(ids).logits, rtol=0.1, atol=0.1)

@@ -47,6 +47,8 @@ def test_trust_remote_code_in_fresh_process(tmp_path, family):
     assert auto_map[auto] == f"modeling_plat.{type(model).__name__}"
     assert {"modeling_plat.py", "configuration_plat.py", "plap_attention.py"} <= {p.name for p in folder.iterdir()}
 
+    # The fresh process loads on the CPU (from_pretrained's default) in an environment of transformers alone; the
+    # comparison is bit for bit, so the model here computes on the CPU too, on any machine: the same kernels.
     torch.save(inputs, tmp_path / "inputs.pt")
     result = run_without_plugin(LOADER.format(auto=auto, trunk=trunk), tmp_path, folder, tmp_path / "inputs.pt",
                                 tmp_path / "out.pt")

@@ -1,8 +1,11 @@
-"""Bad inputs and bad configurations: each must end in a clear ValueError naming the argument."""
+"""Bad inputs and bad configurations: each must end in a clear ValueError naming the argument; on the tests' device
+(tests/device.py), except the index range checks, which exist for CPU tensors only."""
 
 import pytest
 import torch
 from transformers import StaticCache
+
+from device import DEVICE, ON_CUDA
 
 from modeling_plat.modeling_plat import _check_range
 from tiny import LLAMA_SHAPE, classifier, lm, text_config, vision_config
@@ -43,36 +46,55 @@ def test_vision_config_validation(kwargs, message):
         vision_config(**kwargs)
 
 
+# Indices out of range are found by a host read that only CPU tensors get (_check_range: on a GPU it would synchronise
+# every forward). A GPU tensor's bad index reaches the embedding or the loss as a device-side assert, after which the
+# CUDA context is lost to every later test: these calls are made on the CPU on every machine.
 @pytest.mark.parametrize(
     "make_call, message",
     [
-        (lambda m: m(torch.tensor([[1, 2, 61]])), "input_ids must lie in"),
-        (lambda m: m(torch.tensor([[1, -2, 3]])), "input_ids must lie in"),
-        (lambda m: m(torch.ones(1, 41, dtype=torch.long)), "max_position_embeddings"),
-        (lambda m: m(torch.ones(2, 0, dtype=torch.long)), "Empty input"),
-        (lambda m: m(torch.ones(2, 5, dtype=torch.long), attention_mask=torch.ones(2, 4)), "attention_mask"),
-        (lambda m: m(torch.ones(2, 5, dtype=torch.long), labels=torch.ones(2, 4, dtype=torch.long)), "labels"),
+        (lambda: lm()(torch.tensor([[1, 2, 61]])), "input_ids must lie in"),
+        (lambda: lm()(torch.tensor([[1, -2, 3]])), "input_ids must lie in"),
+        (lambda: lm()(torch.ones(1, 41, dtype=torch.long)), "max_position_embeddings"),
+        (lambda: classifier()(torch.randn(2, 3, 16, 16), labels=torch.tensor([1, 7])), "labels must lie in"),
+    ],
+)
+def test_out_of_range_indices_raise_clear_errors_on_the_cpu(make_call, message):
+    with pytest.raises(ValueError, match=message):
+        make_call()
+
+
+def ids(*shape):
+    return torch.ones(*shape, dtype=torch.long, device=DEVICE)
+
+
+@pytest.mark.parametrize(
+    "make_call, message",
+    [
+        (lambda m: m(ids(2, 0)), "Empty input"),
+        (lambda m: m(ids(2, 5), attention_mask=torch.ones(2, 4, device=DEVICE)), "attention_mask"),
+        (lambda m: m(ids(2, 5), labels=ids(2, 4)), "labels"),
         (lambda m: m(), "exactly one of"),
-        (lambda m: m(torch.ones(5, dtype=torch.long)), "batch, length"),
+        (lambda m: m(ids(5)), "batch, length"),
     ],
 )
 def test_lm_bad_input_raises_clear_errors(make_call, message):
     with pytest.raises(ValueError, match=message):
-        make_call(lm())
+        make_call(lm().to(DEVICE))
 
 
 def test_llama_shape_bad_input_raises_clear_errors():
+    # On the CPU, as test_out_of_range_indices_raise_clear_errors_on_the_cpu says.
     with pytest.raises(ValueError, match="input_ids must lie in"):
         lm(**LLAMA_SHAPE)(torch.tensor([[1, 2, 61]]))
 
 
 @pytest.mark.parametrize("shape", [{}, LLAMA_SHAPE])
 def test_static_cache_is_refused_up_front(shape):
-    model = lm(**shape)
+    model = lm(**shape).to(DEVICE)
     with pytest.raises(ValueError, match="p-LaT needs a DynamicCache"):
-        model.generate(torch.randint(2, 61, (2, 5)), max_new_tokens=3, cache_implementation="static")
+        model.generate(torch.randint(2, 61, (2, 5)).to(DEVICE), max_new_tokens=3, cache_implementation="static")
     with pytest.raises(ValueError, match="DynamicCache"):
-        model(torch.randint(2, 61, (1, 3)), cache=StaticCache(config=model.config, max_cache_len=8))
+        model(torch.randint(2, 61, (1, 3)).to(DEVICE), cache=StaticCache(config=model.config, max_cache_len=8))
 
 
 def test_range_checks_read_no_device_tensor():
@@ -81,37 +103,45 @@ def test_range_checks_read_no_device_tensor():
     _check_range("input_ids", torch.full((1, 3), 99, device="meta"), 0, 61, "vocab_size")
     with pytest.raises(ValueError, match="input_ids must lie in"):
         _check_range("input_ids", torch.full((1, 3), 99), 0, 61, "vocab_size")
+    if ON_CUDA:  # CUDA's sync debug mode turns any host read of the tensor into an error
+        on_gpu = torch.full((1, 3), 99, device=DEVICE)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            _check_range("input_ids", on_gpu, 0, 61, "vocab_size")
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
 
 
 @pytest.mark.parametrize(
     "make_call, message",
     [
-        (lambda m: m(torch.randn(2, 1, 16, 16)), "num_channels=3"),
-        (lambda m: m(torch.randn(2, 3, 20, 20)), "interpolate_pos_encoding"),
-        (lambda m: m(torch.randn(2, 3, 18, 18), interpolate_pos_encoding=True), "multiples of patch_size"),
-        (lambda m: m(torch.randn(3, 16, 16)), "pixel_values must be"),
-        (lambda m: m(torch.randn(0, 3, 16, 16)), "Empty batch"),
-        (lambda m: m(torch.randn(2, 3, 16, 16), labels=torch.tensor([1, 7])), "labels must lie in"),
-        (lambda m: m(torch.randn(2, 3, 16, 16), labels=torch.tensor([1, 2, 3])), "batch size"),
+        (lambda m: m(torch.randn(2, 1, 16, 16).to(DEVICE)), "num_channels=3"),
+        (lambda m: m(torch.randn(2, 3, 20, 20).to(DEVICE)), "interpolate_pos_encoding"),
+        (lambda m: m(torch.randn(2, 3, 18, 18).to(DEVICE), interpolate_pos_encoding=True),
+         "multiples of patch_size"),
+        (lambda m: m(torch.randn(3, 16, 16).to(DEVICE)), "pixel_values must be"),
+        (lambda m: m(torch.randn(0, 3, 16, 16).to(DEVICE)), "Empty batch"),
+        (lambda m: m(torch.randn(2, 3, 16, 16).to(DEVICE), labels=torch.tensor([1, 2, 3], device=DEVICE)),
+         "batch size"),
     ],
 )
 def test_classifier_bad_input_raises_clear_errors(make_call, message):
     with pytest.raises(ValueError, match=message):
-        make_call(classifier())
+        make_call(classifier().to(DEVICE))
 
 
 @pytest.mark.parametrize(
     "make_call, message",
     [
-        (lambda m: m(torch.ones(2, 5, dtype=torch.long), attention_mask=torch.ones(2, 1, 5)), "attention_mask"),
-        (lambda m: m(torch.ones(2, 5, dtype=torch.long), attention_mask=torch.ones(3, 5)), "attention_mask"),
-        (lambda m: m(inputs_embeds=torch.randn(2, 5, 7)), "inputs_embeds"),
-        (lambda m: m(torch.ones(1, 3, dtype=torch.long), inputs_embeds=torch.randn(1, 3, 32)), "exactly one of"),
+        (lambda m: m(ids(2, 5), attention_mask=torch.ones(2, 1, 5, device=DEVICE)), "attention_mask"),
+        (lambda m: m(ids(2, 5), attention_mask=torch.ones(3, 5, device=DEVICE)), "attention_mask"),
+        (lambda m: m(inputs_embeds=torch.randn(2, 5, 7).to(DEVICE)), "inputs_embeds"),
+        (lambda m: m(ids(1, 3), inputs_embeds=torch.randn(1, 3, 32).to(DEVICE)), "exactly one of"),
     ],
 )
 def test_lm_mismatched_shapes_raise_clear_errors(make_call, message):
     with pytest.raises(ValueError, match=message):
-        make_call(lm())
+        make_call(lm().to(DEVICE))
 
 
 def test_newer_config_version_is_refused():

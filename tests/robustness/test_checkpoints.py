@@ -1,16 +1,18 @@
-"""Damaged checkpoints fail loudly and whole: never a half-loaded model."""
+"""Damaged checkpoints fail loudly and whole: never a half-loaded model; saved from and loaded straight onto the
+tests' device (tests/device.py)."""
 
 import json
 
 import pytest
 
+from device import DEVICE, ON_CUDA
 from modeling_plat import PlatForCausalLM
 from tiny import lm
 
 
 @pytest.fixture
 def checkpoint(tmp_path):
-    lm().save_pretrained(tmp_path)
+    lm().to(DEVICE).save_pretrained(tmp_path)
     return tmp_path
 
 
@@ -20,13 +22,13 @@ def test_truncated_weights_raise_a_clear_error(checkpoint, keep):
     data = weights.read_bytes()
     weights.write_bytes(data[: int(len(data) * keep) if keep < 1 else keep])
     with pytest.raises(OSError, match="truncated or corrupt"):
-        PlatForCausalLM.from_pretrained(checkpoint)
+        PlatForCausalLM.from_pretrained(checkpoint, device_map=DEVICE)
 
 
 def test_garbage_weights_raise_a_clear_error(checkpoint):
     (checkpoint / "model.safetensors").write_bytes(b"\x00" * 64)
     with pytest.raises(OSError, match="truncated or corrupt"):
-        PlatForCausalLM.from_pretrained(checkpoint)
+        PlatForCausalLM.from_pretrained(checkpoint, device_map=DEVICE)
 
 
 @pytest.mark.parametrize(
@@ -43,7 +45,7 @@ def test_incompatible_config_raises_a_clear_error(checkpoint, change, message):
     path = checkpoint / "config.json"
     path.write_text(json.dumps(json.loads(path.read_text()) | change))
     with pytest.raises(ValueError, match=message):
-        PlatForCausalLM.from_pretrained(checkpoint)
+        PlatForCausalLM.from_pretrained(checkpoint, device_map=DEVICE)
 
 
 def test_partial_checkpoint_is_never_resumed_from(tmp_path, caplog):
@@ -73,9 +75,11 @@ def test_run_killed_mid_training_resumes_to_the_same_result(tmp_path):
     script = Path(__file__).resolve().parents[2] / "run_clm.py"
 
     def command(output_dir):
+        # The Trainer takes a GPU where there is one: --use_cpu keeps the runs on the tests' device if that is the CPU.
         return [sys.executable, str(script), *TINY_MODEL, *FAST, "--train_file", str(train), "--validation_file",
                 str(validation), "--do_train", "--do_eval", "--max_steps", "24", "--save_steps", "4",
-                "--seed", "3", "--learning_rate", "3e-3", "--output_dir", str(output_dir), "--disable_tqdm", "true"]
+                "--seed", "3", "--learning_rate", "3e-3", "--output_dir", str(output_dir), "--disable_tqdm", "true",
+                *([] if ON_CUDA else ["--use_cpu"])]
 
     def metrics(output_dir):
         return json.loads((output_dir / "all_results.json").read_text())

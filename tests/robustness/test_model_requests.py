@@ -1,17 +1,19 @@
 """Requests a p-LaT model cannot honour are refused up front with a clear ValueError: generating past its learned
-positions, and another attention implementation (the p-LaT one is chosen by the saved ``plap_backend``)."""
+positions, and another attention implementation (the p-LaT one is chosen by the saved ``plap_backend``). Models that
+compute do so on the tests' device (tests/device.py)."""
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForImageClassification
 
+from device import DEVICE
 from tiny import classifier, lm, text_config
 from modeling_plat import PlatForCausalLM
 
 
 def test_generate_past_the_learned_positions_is_refused_before_the_first_token():
-    model = lm()  # max_position_embeddings=40
-    prompt = torch.randint(2, 61, (1, 30))
+    model = lm().to(DEVICE)  # max_position_embeddings=40
+    prompt = torch.randint(2, 61, (1, 30)).to(DEVICE)
     with pytest.raises(ValueError, match="at most 10 new tokens"):
         model.generate(prompt, max_new_tokens=11, do_sample=False)
     assert model.generate(prompt, max_new_tokens=10, do_sample=False).shape == (1, 40)
@@ -32,9 +34,10 @@ def test_other_attention_implementations_point_to_plap_backend(implementation, t
 
 
 def test_eager_attention_is_accepted_and_changes_nothing(tmp_path):
-    model = lm()
+    model = lm().to(DEVICE)
     model.save_pretrained(tmp_path)
-    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager")
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").to(DEVICE)
     reloaded.set_attn_implementation("eager")
-    ids = torch.randint(2, 61, (2, 7))
+    ids = torch.randint(2, 61, (2, 7)).to(DEVICE)
+    # Exact: the same weights through the same kernels on the same device.
     torch.testing.assert_close(reloaded(ids).logits, model(ids).logits, rtol=0, atol=0)
