@@ -1,7 +1,11 @@
-"""What the fused backends' custom ops (``torch.library.custom_op``) share: their names and their autograd.
-torch.compile and torch.export trace through such an op as one opaque node each way."""
+"""What the fused backends' custom ops (``torch.library.custom_op``) share: their names, their autograd, and how a
+call reaches them. torch.compile and torch.export trace through such an op as one opaque node each way; eager calls
+skip torch.library's dispatcher, which costs several times the Python of the backends themselves per call (host
+time that small attention shapes on a GPU wait for)."""
 
 import re
+
+import torch
 
 
 def op_name(module_name, name):
@@ -10,18 +14,52 @@ def op_name(module_name, name):
     return "plat::" + re.sub(r"\W", "_", module_name) + "_" + name
 
 
-def register_backward(forward_op, backward_op, num_tensor_inputs=5):
-    """Make ``backward_op`` the gradient of ``forward_op``, whose inputs are query, key, value, then other tensors
-    (``num_tensor_inputs`` in all) and then plain arguments. The backward op takes the gradient of the forward's
-    first output, the forward's tensor inputs, all its outputs, then its plain arguments, and returns the gradients
-    of query, key and value."""
+class FusedOp:
+    """A fused backend's forward and backward: plain functions, and the custom ops made of them.
 
-    def setup_context(ctx, inputs, output):
-        ctx.save_for_backward(*inputs[:num_tensor_inputs], *output)
-        ctx.args = inputs[num_tensor_inputs:]
+    ``forward(query, key, value, *other tensors, *plain arguments)`` (``num_tensor_inputs`` tensors in all) returns
+    a tuple whose first element is the attention output; ``backward`` takes the gradient of that output, the
+    forward's tensor inputs, all its outputs, then its plain arguments, and returns the gradients of query, key and
+    value. Calling a ``FusedOp`` runs the custom op while torch.compile or torch.export traces (or on tensor
+    subclasses such as fake tensors), and the same functions through a plain ``torch.autograd.Function`` otherwise.
+    """
 
+    def __init__(self, forward_op, forward, backward_op, backward, num_tensor_inputs=5):
+        self.forward_op, self.forward, self.backward = forward_op, forward, backward
+        self.num_tensor_inputs = num_tensor_inputs
+
+        def setup_context(ctx, inputs, output):
+            ctx.save_for_backward(*inputs[:num_tensor_inputs], *output)
+            ctx.args = inputs[num_tensor_inputs:]
+
+        def backward_of_op(ctx, grad_out, *grads_of_other_outputs):
+            return self.gradients(backward_op, grad_out, ctx.saved_tensors, ctx.args)
+
+        forward_op.register_autograd(backward_of_op, setup_context=setup_context)
+
+    def gradients(self, backward, grad_out, saved, args):
+        """The gradients of every input of the forward: q, k and v's, None for the others."""
+        grads = backward(grad_out, *saved, *args)
+        return *grads, *(None,) * (self.num_tensor_inputs - len(grads) + len(args))
+
+    def __call__(self, *inputs):
+        traced = torch.compiler.is_compiling() or torch.compiler.is_exporting()
+        if traced or type(inputs[0]) not in (torch.Tensor, torch.nn.Parameter):
+            return self.forward_op(*inputs)
+        return _EagerAutograd.apply(self, *inputs)
+
+
+class _EagerAutograd(torch.autograd.Function):
+    """A ``FusedOp``'s functions with the autograd its custom op registers, minus the dispatcher."""
+
+    @staticmethod
+    def forward(ctx, fused, *inputs):
+        outputs = fused.forward(*inputs)
+        ctx.fused, ctx.args = fused, inputs[fused.num_tensor_inputs :]
+        ctx.save_for_backward(*inputs[: fused.num_tensor_inputs], *outputs)
+        ctx.mark_non_differentiable(*outputs[1:])
+        return outputs
+
+    @staticmethod
     def backward(ctx, grad_out, *grads_of_other_outputs):
-        grads = backward_op(grad_out, *ctx.saved_tensors, *ctx.args)
-        return *grads, *(None,) * (num_tensor_inputs - len(grads) + len(ctx.args))
-
-    forward_op.register_autograd(backward, setup_context=setup_context)
+        return None, *ctx.fused.gradients(ctx.fused.backward, grad_out, ctx.saved_tensors, ctx.args)

@@ -40,7 +40,7 @@ import math
 
 import torch
 
-from .custom_ops import op_name, register_backward
+from .custom_ops import FusedOp, op_name
 from .float32_matmul import float32_baddbmm_
 from .plap_attention_reference import CLOSE_PAIR, COINCIDING
 
@@ -362,10 +362,10 @@ def _backward(tiling, out, lse, own_weight, grad_out):
     return grad_q, grad_k, grad_v
 
 
-# Custom ops, so that torch.compile and torch.export trace through the backend as one opaque node each way,
-# whatever Python loops run inside (their fake versions give only the shapes).
-@torch.library.custom_op(op_name(__name__, "forward"), mutates_args=())
-def _forward_op(
+# Forward and backward as custom ops, so that torch.compile and torch.export trace through the backend as one opaque
+# node each way, whatever Python loops run inside (their fake versions give only the shapes); eager calls run the
+# same two functions without the custom-op dispatcher (``FusedOp``).
+def _fused_forward(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
@@ -384,6 +384,9 @@ def _forward_op(
     return out.view(query.shape[:3] + value.shape[-1:]), lse, own_weight
 
 
+_forward_op = torch.library.custom_op(op_name(__name__, "forward"), mutates_args=())(_fused_forward)
+
+
 @_forward_op.register_fake
 def _(query, key, value, bias, document_ids, exponents, is_causal, eps, euler, blocks):
     batch, heads, num_queries, _ = query.shape
@@ -391,8 +394,7 @@ def _(query, key, value, bias, document_ids, exponents, is_causal, eps, euler, b
     return query.new_empty(query.shape[:3] + value.shape[-1:]), lse, lse.new_empty(lse.shape if euler else (0,))
 
 
-@torch.library.custom_op(op_name(__name__, "backward"), mutates_args=())
-def _backward_op(
+def _fused_backward(
     grad_out: torch.Tensor,
     query: torch.Tensor,
     key: torch.Tensor,
@@ -415,12 +417,15 @@ def _backward_op(
     return tuple(g.view(x.shape) for g, x in zip(grads, (query, key, value)))
 
 
+_backward_op = torch.library.custom_op(op_name(__name__, "backward"), mutates_args=())(_fused_backward)
+
+
 @_backward_op.register_fake
 def _(grad_out, query, key, value, bias, document_ids, out, lse, own_weight, exponents, is_causal, eps, euler, blocks):
     return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
 
 
-register_backward(_forward_op, _backward_op)
+_fused = FusedOp(_forward_op, _fused_forward, _backward_op, _fused_backward)
 
 
 def plap_attention_tiled(
@@ -440,7 +445,7 @@ def plap_attention_tiled(
         bias = torch.zeros(mask.shape, dtype=compute_dtype, device=query.device).masked_fill_(~mask, -math.inf)
     # P and every accumulation run in float32 (float64 for float64 inputs), also under autocast.
     with torch.autocast(query.device.type, enabled=False):
-        out, _, _ = _forward_op(
+        out, _, _ = _fused(
             query.to(compute_dtype).contiguous(),
             key.to(compute_dtype).contiguous(),
             value.to(compute_dtype).contiguous(),

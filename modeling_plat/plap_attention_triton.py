@@ -48,7 +48,7 @@ from typing import NamedTuple
 
 import torch
 
-from .custom_ops import op_name, register_backward
+from .custom_ops import FusedOp, op_name
 from .plap_attention_reference import CLOSE_PAIR, COINCIDING
 
 try:
@@ -903,10 +903,10 @@ def _unflat(numbers):
     return _config(numbers[0:4], numbers[4:8], numbers[8:12])
 
 
-# Custom ops, so that torch.compile and torch.export trace through the kernels as one opaque node each way
-# (their fake versions give only the shapes). The forward returns what the backward needs.
-@torch.library.custom_op(op_name(__name__, "forward"), mutates_args=())
-def _forward_op(
+# Forward and backward as custom ops, so that torch.compile and torch.export trace through the kernels as one opaque
+# node each way (their fake versions give only the shapes); eager calls run the same two functions without the
+# custom-op dispatcher (``FusedOp``). The forward returns what the backward needs.
+def _fused_forward(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
@@ -931,6 +931,9 @@ def _forward_op(
     return out, lse, own_weight, sq_norms
 
 
+_forward_op = torch.library.custom_op(op_name(__name__, "forward"), mutates_args=())(_fused_forward)
+
+
 @_forward_op.register_fake
 def _(query, key, value, key_keep, documents, p, is_causal, eps, euler, config):
     batch, heads, num_queries, _ = query.shape
@@ -939,8 +942,7 @@ def _(query, key, value, key_keep, documents, p, is_causal, eps, euler, config):
             lse.new_empty(lse.shape if euler else (0,)), lse.new_empty(value.shape[:3]))  # fmt: skip
 
 
-@torch.library.custom_op(op_name(__name__, "backward"), mutates_args=())
-def _backward_op(
+def _fused_backward(
     grad_out: torch.Tensor,
     query: torch.Tensor,
     key: torch.Tensor,
@@ -979,13 +981,16 @@ def _backward_op(
     return grad_q, grad_k, grad_v.to(value.dtype)
 
 
+_backward_op = torch.library.custom_op(op_name(__name__, "backward"), mutates_args=())(_fused_backward)
+
+
 @_backward_op.register_fake
 def _(grad_out, query, key, value, key_keep, documents, out, lse, own_weight, sq_norms, p, is_causal, eps, euler,
       config):  # fmt: skip
     return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
 
 
-register_backward(_forward_op, _backward_op)
+_fused = FusedOp(_forward_op, _fused_forward, _backward_op, _fused_backward)
 
 
 def plap_attention_triton(
@@ -1014,6 +1019,6 @@ def plap_attention_triton(
         key_keep = key_keep.to(torch.int8).contiguous()  # (B, Nk)
     documents = None if document_ids is None else document_table(document_ids)
     query, key, value = (tensor.contiguous() for tensor in (query, key, value))  # offsets follow from shapes
-    out, _, _, _ = _forward_op(query, key, value, key_keep, documents, [float(v) for v in p], is_causal, float(eps),
+    out, _, _, _ = _fused(query, key, value, key_keep, documents, [float(v) for v in p], is_causal, float(eps),
                                formulation == "euler", _flat(config))  # fmt: skip
     return out

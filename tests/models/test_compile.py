@@ -10,6 +10,8 @@ from device import DEVICE, ON_CUDA, needs_cuda
 from tiny import TEXT_SHAPES, lm
 from transformers import DataCollatorWithFlattening
 
+from modeling_plat import plap_attention
+
 P_MIX = [1.5, 1.5, 2.5, 2.0]  # both powers and one softmax head: every path of the attention
 
 
@@ -154,3 +156,29 @@ def test_fused_backends_custom_ops_pass_opcheck(backend, euler):
                   else module.INTERPRETER_CONFIG)  # fmt: skip
         args = (query, key, value, None, None, [1.5, 2.5, 1.5], True, 1e-6, euler, module._flat(config))
     torch.library.opcheck(module._forward_op, args)
+
+
+@pytest.mark.parametrize("backend", ["tiled", "triton"])
+def test_eager_calls_skip_the_custom_op_dispatcher_with_the_same_results(monkeypatch, backend):
+    """Eager mode runs a fused backend's functions through a plain autograd Function (host time that small shapes
+    on a GPU wait for); the custom op, which traced graphs call, gives bitwise the same output and gradients."""
+    requires(backend)
+    module = importlib.import_module(f"modeling_plat.plap_attention_{backend}")
+    generator = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(2, 3, 9, 8, generator=generator).to(DEVICE).requires_grad_() for _ in range(3)]
+    p = (1.5, 2.5, 1.5)
+
+    def run():
+        out = plap_attention(*inputs, p, is_causal=True, backend=backend)
+        return out, *torch.autograd.grad(out, inputs, torch.ones_like(out))
+
+    op_calls = []
+    op = module._fused.forward_op
+    monkeypatch.setattr(module._fused, "forward_op", lambda *args: op_calls.append(1) or op(*args))
+    eager = run()
+    assert not op_calls
+    monkeypatch.setattr(type(module._fused), "__call__", lambda self, *args: self.forward_op(*args))
+    through_op = run()
+    assert op_calls
+    for ours, theirs in zip(eager, through_op):
+        assert torch.equal(ours, theirs)

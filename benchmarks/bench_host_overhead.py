@@ -1,0 +1,132 @@
+"""Host work of one p-LaT attention call, the part a GPU waits for at small shapes, measured on the CPU.
+
+    python benchmarks/bench_host_overhead.py [--shape 16 8 256 16] [--repeats 7] [--calls 300]
+
+At the paper LM's attention shape a fused forward + backward on a GPU is ~0.12 ms of kernels and was ~1.7 ms of wall
+time: the dispatcher, the custom ops, the launches and the small auxiliary kernels decide it. This runs the Triton
+backend's host code on CPU tensors with every kernel launch replaced by a no-op, at the shape's batch and heads and a
+short length (so that the auxiliary tensor operations cost what their launches cost, not their arithmetic), and
+prints per call, forward and forward + backward:
+- the host time of the eager path (``FusedOp`` calling the backend's functions through a plain autograd Function),
+  of the same call through torch.library's custom-op dispatcher (what compiled graphs call), and of SDPA at the same
+  shape, interleaved, median of ``--repeats`` rounds of ``--calls`` calls;
+- the Triton launches and the ATen operations (allocations and views included; most are a kernel launch on a GPU)
+  per call, counted exactly.
+"""
+
+import argparse
+import os
+import statistics
+import time
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # CPU tensors may take the Triton path; no kernel runs (below)
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+from machine import facts_label, machine_facts  # noqa: E402
+from modeling_plat import plap_attention  # noqa: E402
+from modeling_plat import plap_attention_triton as triton_module  # noqa: E402
+
+P_MIX = (1.5, 2.5)
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the ATen operations that run (each a kernel launch on a GPU), views and metadata ones included."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def inputs(batch, heads, length, head_dim):
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(batch, heads, length, head_dim, generator=gen).requires_grad_() for _ in range(3))
+    p = tuple(P_MIX[h * len(P_MIX) // heads] for h in range(heads))  # the paper's mix: half 1.5, half 2.5
+    return q, k, v, p, torch.ones(batch, heads, length, head_dim)
+
+
+def calls(q, k, v, p, grad):
+    """name -> (forward, forward + backward) callables."""
+
+    def plat(through_op):
+        def forward():
+            with torch.no_grad():
+                return run(through_op)
+
+        def both():
+            run(through_op).backward(grad)
+
+        return forward, both
+
+    def run(through_op):
+        fused = triton_module._fused
+        original = type(fused).__call__
+        if through_op:
+            type(fused).__call__ = lambda self, *a: self.forward_op(*a)
+        try:
+            return plap_attention(q, k, v, p, is_causal=True, backend="triton")
+        finally:
+            type(fused).__call__ = original
+
+    def sdpa_forward():
+        with torch.no_grad():
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    return {
+        "plat (eager path)": plat(False),
+        "plat (custom-op dispatcher)": plat(True),
+        "sdpa": (sdpa_forward, lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)),
+    }
+
+
+def per_call_us(fn, count):
+    start = time.perf_counter()
+    for _ in range(count):
+        fn()
+    return (time.perf_counter() - start) / count * 1e6
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shape", type=int, nargs=4, default=[16, 8, 256, 16], metavar=("B", "H", "N", "D"),
+                        help="the attention shape whose batch, heads and head size are used (default: the paper LM)")
+    parser.add_argument("--length", type=int, default=16, help="the sequence length actually run (short: host work)")
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--calls", type=int, default=300)
+    args = parser.parse_args(argv)
+    batch, heads, _, head_dim = args.shape
+    launches = []
+    triton_module._run = lambda launch, query, value: launches.append(launch.kernel.__name__)
+    q, k, v, p, grad = inputs(batch, heads, args.length, head_dim)
+    cases = calls(q, k, v, p, grad)
+    for forward, both in cases.values():  # warm-up, and every path checked to run
+        forward(), both()
+    times = {(name, part): [] for name in cases for part in ("fwd", "fwd+bwd")}
+    for _ in range(args.repeats):
+        for name, (forward, both) in cases.items():
+            times[name, "fwd"].append(per_call_us(forward, args.calls))
+            times[name, "fwd+bwd"].append(per_call_us(both, args.calls))
+    print(f"host time per call, B={batch} H={heads} N={args.length} d={head_dim}, p mix {P_MIX}, launches no-ops "
+          f"(median of {args.repeats} x {args.calls}); {facts_label(machine_facts(torch.device('cpu')))}")
+    for name, (forward, both) in cases.items():
+        fwd, fwd_bwd = (statistics.median(times[name, part]) for part in ("fwd", "fwd+bwd"))
+        line = f"  {name:30s} fwd {fwd:8.1f} us  fwd+bwd {fwd_bwd:8.1f} us"
+        if "dispatcher" not in name:  # there the op hides its own operations from the counter
+            counts = []
+            for fn in (forward, both):
+                launches.clear()
+                with OpCounter() as counter:
+                    fn()
+                counts.append(f"{len(launches)} + {counter.count}")
+            line += f"   Triton launches + ATen ops: fwd {counts[0]}, fwd+bwd {counts[1]}"
+        print(line)
+
+
+if __name__ == "__main__":
+    main()
