@@ -224,8 +224,9 @@ def convert_to_plat(model, plap_p=None, config=None, **config_overrides):
     if missing:
         raise ValueError(f"The {kind} checkpoint lacks weights for {sorted(missing)[:5]}")
     target.load_state_dict(state, strict=False)
-    dtype = next(model.parameters()).dtype
-    return target.to(dtype).eval() if not model.training else target.to(dtype)
+    source = next(model.parameters())
+    target = target.to(device=source.device, dtype=source.dtype)  # where and how the source computes
+    return target.eval() if not model.training else target
 
 
 def _load_source(name_or_path):

@@ -163,3 +163,11 @@ def test_cli_round_trip(tmp_path):
     plat, gpt2 = PlatForCausalLM.from_pretrained(output).eval().to(DEVICE), gpt2.to(DEVICE)
     ids = torch.randint(0, 61, (2, 9)).to(DEVICE)
     torch.testing.assert_close(plat(ids).logits, gpt2(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_converted_model_lands_where_its_source_computes():
+    source = tiny_gpt2().to(DEVICE, torch.float64)
+    plat = convert_to_plat(source, plap_p=2.0)
+    assert {(t.device, t.dtype) for t in plat.state_dict().values()} == {(source.lm_head.weight.device, torch.float64)}
+    ids = torch.randint(3, 61, (2, 9)).to(DEVICE)
+    torch.testing.assert_close(plat(ids).logits, source(ids).logits)
