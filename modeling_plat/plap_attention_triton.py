@@ -419,12 +419,18 @@ def _distances(v_query, sq_query_eps, values, sq_keys, V, rows, cols, num_keys, 
     the loop split excludes self pairs, MASKED false), and whether the tile has close pairs.
 
     The expansion's rounding, a few u (|v_x|^2 + |v_y|^2), would decide P where values nearly coincide: a tile with
-    close pairs (CLOSE_PAIR; the diagonal's self pairs among them) recomputes all its pairs by direct differences,
-    one value coordinate at a time from memory (no second tile and no mask stay live across that loop), and sets
-    its coinciding pairs (COINCIDING) to exactly eps. Elsewhere the expansion is positive: no clamp."""
+    close pairs (CLOSE_PAIR) recomputes all its pairs by direct differences, one value coordinate at a time from
+    memory (no second tile and no mask stay live across that loop), and sets its coinciding pairs (COINCIDING) to
+    exactly eps. Self pairs are exactly eps without it, and pairs outside the inputs are masked: in the masked tiles
+    (the diagonal band, the partial ones) neither makes the tile recompute. Elsewhere the expansion is positive."""
     cross = _pair_dot(v_query, values, QUERY_AXIS)
     dist_eps = _per_query(sq_query_eps, QUERY_AXIS) + _per_key(sq_keys, QUERY_AXIS) - 2 * cross
-    has_close = tl.max((dist_eps <= _per_query(sq_query_eps * CLOSE_PAIR + eps, QUERY_AXIS)).to(tl.int32)) > 0
+    close = dist_eps <= _per_query(sq_query_eps * CLOSE_PAIR + eps, QUERY_AXIS)
+    is_self = _per_key(cols, QUERY_AXIS) == _per_query(rows, QUERY_AXIS) + offset
+    if MASKED:
+        inside = (_per_query(rows, QUERY_AXIS) < num_keys - offset) & (_per_key(cols, QUERY_AXIS) < num_keys)
+        close = close & inside & ~is_self
+    has_close = tl.max(close.to(tl.int32)) > 0
     if has_close:
         query_in, key_in = rows < num_keys - offset, cols < num_keys
         dist_eps = tl.zeros_like(dist_eps)
@@ -435,7 +441,8 @@ def _distances(v_query, sq_query_eps, values, sq_keys, V, rows, cols, num_keys, 
             dist_eps += diff * diff
         bound = COINCIDING * (_per_query(sq_query_eps - eps, QUERY_AXIS) + _per_key(sq_keys, QUERY_AXIS))
         dist_eps = tl.where(dist_eps <= bound, 0.0, dist_eps) + eps
-    is_self = _per_key(cols, QUERY_AXIS) == _per_query(rows, QUERY_AXIS) + offset
+    if MASKED:
+        dist_eps = tl.where(is_self, eps, dist_eps)
     return dist_eps, is_self & MASKED, has_close
 
 
@@ -624,8 +631,11 @@ def _tile_grads(
     weighted = weights * grad_w
     grad_scores = weighted - attn * _per_query(delta, QUERY_AXIS)
     grad_dist = (2 * exponent) * weighted * inv_dist
-    if has_close:
+    if MASKED:  # self pairs
         grad_dist = tl.where(dist_eps == eps, 0.0, grad_dist)
+    else:
+        if has_close:
+            grad_dist = tl.where(dist_eps == eps, 0.0, grad_dist)
     return weights, grad_scores, grad_dist
 
 
