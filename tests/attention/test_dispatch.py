@@ -5,11 +5,10 @@ A GPU's choices are proved on the CPU with a simulated CUDA ``Platform`` (the fa
 once, outside the trace); there the Triton kernels run under the Triton interpreter (tests/conftest.py).
 """
 
-import importlib
-
 import pytest
 import torch
 from device import DEVICE, ON_CUDA
+from spies import dispatch, record_chosen_backends
 from tiny import TEXT_SHAPES, classifier, lm
 from transformers.testing_utils import CaptureLogger
 
@@ -17,7 +16,6 @@ from modeling_plat import modeling_plat as modeling_module
 from modeling_plat import plap_attention_triton as triton_module
 from modeling_plat.plap_attention import Platform
 
-dispatch = importlib.import_module("modeling_plat.plap_attention")
 # An H100 as the dispatcher sees it (compute capability 9.0).
 HOPPER = Platform("cuda", (9, 0), threads=torch.get_num_threads(), triton_interpreted=False)
 P_MIX = [1.5, 1.5, 2.5, 2.0]  # both powers and a softmax head
@@ -36,20 +34,6 @@ def model_inputs(shape):
                     labels=torch.tensor([0, 3], device=DEVICE))  # fmt: skip
     ids = torch.randint(2, 61, (2, 12), generator=torch.Generator().manual_seed(0)).to(DEVICE)
     return dict(input_ids=ids, labels=ids)
-
-
-def spy_choices(monkeypatch):
-    """Record the name of every backend ``choose_backend`` returns (eager calls and traced ones alike)."""
-    names = []
-    choose = dispatch.choose_backend
-
-    def recording(*args, **kwargs):
-        backend = choose(*args, **kwargs)
-        names.append(backend.name)
-        return backend
-
-    monkeypatch.setattr(dispatch, "choose_backend", recording)
-    return names
 
 
 @pytest.mark.parametrize("shape", [*TEXT_SHAPES, "vision"])
@@ -112,7 +96,7 @@ def test_traced_choice_is_the_eager_choice_on_cuda(monkeypatch, shape):
     runs, the fused kernels for the p != 2 heads, with no call that Dynamo cannot trace (it would fail fullgraph)."""
     if not ON_CUDA:
         monkeypatch.setattr(dispatch, "device_platform", lambda device_type, device_index: HOPPER)
-    names = spy_choices(monkeypatch)
+    names = record_chosen_backends(monkeypatch)
     model = tiny_model(shape).train()
     inputs = model_inputs(shape)
 

@@ -2,8 +2,6 @@
 large activations, long sequences and bf16 autocast (bf16 and fp16 on a GPU), for every backend that runs on
 the tests' device (tests/device.py)."""
 
-import importlib
-
 import pytest
 import torch
 
@@ -11,10 +9,8 @@ from device import DEVICE, ON_CUDA, needs_cuda
 from modeling_plat import BACKENDS, plap_attention
 from modeling_plat.plap_attention import choose_backend
 from modeling_plat.plap_attention_decode import DECODE_MAX_QUERIES
+from spies import record_chosen_backends
 from tiny import TEXT_SHAPES, classifier, lm, train_losses
-
-# The package exports the function plap_attention under the module's name.
-plap_attention_module = importlib.import_module("modeling_plat.plap_attention")
 
 EDGE_P = [1.0, 1.01, 1.5, 2.0, 2.5, 3.0]
 
@@ -73,19 +69,6 @@ def test_long_sequence(backend):
     torch.manual_seed(0)
     q, k, v = torch.randn(3, 1, 2, 1500, 16).to(DEVICE).unbind(0)
     assert_finite_forward_backward(q, k, v, [1.5, 2.5], is_causal=True, backend=backend)
-
-
-def record_chosen_backends(monkeypatch):
-    """The names of the backends the dispatcher picks for heads with p != 2 (p = 2 heads go to SDPA unasked)."""
-    names = []
-
-    def recording(*args, **kwargs):
-        backend = choose_backend(*args, **kwargs)
-        names.append(backend.name)
-        return backend
-
-    monkeypatch.setattr(plap_attention_module, "choose_backend", recording)
-    return names
 
 
 # float16 autocast is a GPU precision: on the CPU autocast's own float16 support is not what anyone trains with.
