@@ -7,7 +7,10 @@ that the Triton backend uses there (benchmarks/triton_aot.py: Triton's compiler 
 disassembled with the wheel's ``cuobjdump -sass``. The main loop is the range of a backward branch, the
 shortest that holds a matmul (the loop of plain tiles where a kernel splits off the masked ones). Its
 instructions are counted per score, that is divided by the scores one thread handles per iteration
-(BLOCK_M * BLOCK_N / (32 * num_warps)), so that tiles that repeat work across warps count it.
+(BLOCK_M * BLOCK_N / (32 * num_warps)), so that tiles that repeat work across warps count it, on the common path:
+without the block its largest forward branch jumps over, the direct differences of a tile with close pairs of
+values (``rare`` in the table: what such a tile adds per score). ``spill`` counts ptxas' spill stores of the whole
+kernel, ``loop`` the spill instructions inside the main loop.
 
 Estimated time per score (clocks of one SM) = the slowest of the pipes below, each at its published per-SM
 throughput (NVIDIA's H100 and A100 whitepapers: 4 schedulers, 16 SFUs, 128 / 64 FP32 lanes per SM; dense
@@ -87,6 +90,19 @@ def main_loop(instructions):
     return min(loops, key=len)
 
 
+def common_path(loop):
+    """The main loop without the largest block that a forward branch inside it jumps over: the kernels' rare case
+    (a tile with close pairs of values recomputes its distances by direct differences), which a tile without such
+    pairs, the common one, skips."""
+    end = loop[-1][0]
+    skipped = (0, 0)
+    for address, opcode, _, operands in loop:
+        target = re.match(r"\s*(?:`\()?(0x[0-9a-f]+)", operands)
+        if opcode == "BRA" and target and address < int(target.group(1), 16) <= end:
+            skipped = max(skipped, (address, int(target.group(1), 16)), key=lambda span: span[1] - span[0])
+    return [ins for ins in loop if not skipped[0] < ins[0] < skipped[1]]
+
+
 def mma_flops(opcode, modifiers):
     """(FLOP of one warp's instruction, cost factor: 2 for TF32, whose tensor rate is half of bf16's)."""
     factor = 2 if ".TF32" in modifiers else 1
@@ -149,10 +165,15 @@ def analyse(launch, arch):
     meta = launch.meta
     scores_per_thread = meta["BLOCK_M"] * meta["BLOCK_N"] / (32 * meta["num_warps"])
     instructions = disassemble(compiled.asm["cubin"])
-    per_score = count_loop(main_loop(instructions), scores_per_thread)
+    loop = main_loop(instructions)
+    per_score = count_loop(common_path(loop), scores_per_thread)
+    # Instructions per score that a tile taking the rare branch adds, and spills inside the loop (those elsewhere
+    # run once per program).
+    per_score["rare_branch"] = count_loop(loop, scores_per_thread)["instructions"] - per_score["instructions"]
     opcodes = {opcode for _, opcode, _, _ in instructions}
     return dict(
         per_score=per_score,
+        loop_spills=sum(opcode in ("STL", "LDL") for _, opcode, _, _ in loop),
         **clocks_per_score(per_score, arch),
         **ptxas_usage(log),
         shared=compiled.metadata.shared,
@@ -223,7 +244,7 @@ def mix(analyses):
     for pipe in ("issue", "mufu", "fp32", "tensor", "clocks"):
         merged[pipe] = sum(a[pipe] for a in analyses) / len(analyses)
     merged["bound"] = "/".join(sorted({a["bound"] for a in analyses}))
-    for name in ("registers", "spill_stores", "spill_loads", "shared"):
+    for name in ("registers", "spill_stores", "spill_loads", "loop_spills", "shared"):
         merged[name] = max(a[name] or 0 for a in analyses)
     merged["warnings"] = sorted(set().union(*(a["warnings"] for a in analyses)))
     return merged
@@ -252,8 +273,8 @@ def case_name(case):
 def table(records):
     """The terminal table: one row per kernel of each case."""
     header = (f"{'case':<34} {'kernel':<8} {'instr':>6} {'mma':>5} {'mufu':>5} {'mufu by function':<26} "
-              f"{'fp32':>5} {'conv':>5} {'smem':>5} {'regs':>4} {'spill':>5} {'shared':>6} {'mma kind':<8} "
-              f"{'warn':<5} {'bound':<6} {'clk':>6} {'x base':>6}")  # fmt: skip
+              f"{'fp32':>5} {'conv':>5} {'smem':>5} {'regs':>4} {'spill':>5} {'loop':>4} {'shared':>6} {'mma kind':<8} "
+              f"{'warn':<5} {'bound':<6} {'clk':>6} {'x base':>6} {'rare':>6}")  # fmt: skip
     lines = [header, "-" * len(header)]
     for record in records:
         result = record["result"]
@@ -265,8 +286,9 @@ def table(records):
             lines.append(
                 f"{record['name']:<34} {name:<8} {s['instructions']:>6.1f} {s['mma']:>5.2f} {s['mufu']:>5.2f} "
                 f"{functions:<26} {s['fp32']:>5.1f} {s['conversions']:>5.2f} {s['shared_ops']:>5.2f} "
-                f"{a['registers'] or 0:>4} {a['spill_stores'] or 0:>5} {a['shared']:>6} {a['mma_kind']:<8} "
-                f"{','.join(a['warnings']) or '-':<5} {a['bound']:<6} {a['clocks']:>6.3f} {a['clocks'] / base:>6.2f}"
+                f"{a['registers'] or 0:>4} {a['spill_stores'] or 0:>5} {a['loop_spills']:>4} {a['shared']:>6} "
+                f"{a['mma_kind']:<8} {','.join(a['warnings']) or '-':<5} {a['bound']:<6} {a['clocks']:>6.3f} "
+                f"{a['clocks'] / base:>6.2f} {s['rare_branch']:>6.1f}"
             )
         ratios = result["ratios"]
         lines.append(f"{record['name']:<34} estimated time / baseline: forward {ratios['fwd']:.2f}x, "

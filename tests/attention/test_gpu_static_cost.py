@@ -15,9 +15,10 @@ from modeling_plat import plap_attention_triton as triton_module
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_static_cost.py"
 pytestmark = pytest.mark.skipif(triton_module.triton is None, reason="triton is not installed")
 
-# Instructions per score of each kernel's main loop as measured (sm_90, bfloat16, d = 64, paper mix), with a
-# quarter of headroom: a change that makes a kernel much slower on a GPU fails here.
-MEASURED_INSTRUCTIONS = {"fwd": 18.6, "dkdv": 41.8, "dq": 36.2, "baseline": 8.8}
+# Instructions per score of each kernel's main loop on its common path as measured (sm_90, bfloat16, d = 64, paper
+# mix), with a quarter of headroom: a change that makes a kernel much slower on a GPU fails here. (The per-tile test
+# for close pairs of values took them from 18.6, 41.8 and 36.2.)
+MEASURED_INSTRUCTIONS = {"fwd": 22.3, "dkdv": 52.2, "dq": 44.0, "baseline": 8.8}
 
 LISTING = """
         /*0000*/                   MOV R1, c[0x0][0x28] ;
@@ -59,6 +60,22 @@ def test_counting_of_a_listing(tool, monkeypatch):
     assert clocks["bound"] == "tensor" and clocks["clocks"] == 512 / 4096
 
 
+def test_common_path_skips_the_rare_branch(tool):
+    listing = """
+        /*0000*/                   FADD R2, R3, R4 ;
+        /*0010*/                   HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], RZ, !UPT ;
+        /*0020*/              @!P0 BRA 0x60 ;
+        /*0030*/                   FFMA R7, R7, R8, R9 ;
+        /*0040*/                   FFMA R7, R7, R8, R9 ;
+        /*0050*/                   FFMA R7, R7, R8, R9 ;
+        /*0060*/                   MUFU.EX2 R5, R5 ;
+        /*0070*/                   BRA 0x0 ;
+"""
+    instructions = [(int(m[1], 16), m[3], m[4], m[5]) for m in tool.INSTRUCTION.finditer(listing)]
+    loop = tool.main_loop(instructions)
+    assert [address for address, *_ in tool.common_path(loop)] == [0x0, 0x10, 0x20, 0x60, 0x70]
+
+
 def test_quick_sweep_compiles_and_stays_under_bounds(tmp_path):
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
@@ -71,5 +88,5 @@ def test_quick_sweep_compiles_and_stays_under_bounds(tmp_path):
     for kernel, measured in MEASURED_INSTRUCTIONS.items():
         analysis = record["result"][kernel]
         assert analysis["per_score"]["instructions"] <= 1.25 * measured, (kernel, analysis["per_score"])
-        assert analysis["spill_stores"] == 0 and analysis["mma_kind"] == "wgmma"
+        assert analysis["loop_spills"] == 0 and analysis["mma_kind"] == "wgmma"
     assert record["result"]["ratios"]["fwd"] > 1
