@@ -70,14 +70,17 @@ def test_bfloat16_kernels_match_reference(gpu_dots, formulation):
           formulation=formulation)  # fmt: skip
 
 
+# Values that close (relative) are as close as each half type can hold them apart without coinciding.
+CLUSTER_SCALE = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
+
+
 def value_gradient_error(run, dtype):
-    """Relative error of dV against the float64 reference for values with exact duplicates (repeated tokens),
-    p = 1.5 and 2.5, paper formulation: the duplicate pairs have D2 = 0, so that the distance gradient
-    Gd ~ 1 / (D2 + eps) is ~1e6 and its terms rowsum(Gd) v_x - Gd V cancel almost exactly."""
+    """Relative error of dV against the float64 reference for a cluster of near-coinciding values, p = 1.5 and 2.5,
+    paper formulation: their distance gradient Gd ~ 1 / (D2 + eps) is large and its terms rowsum(Gd) v_x - Gd V
+    cancel almost exactly. (Exact duplicates coincide: no gradient through D2, nothing to cancel.)"""
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 2, 24, 16, generator=gen) for _ in range(3))
-    v[:, :, 1:8] = v[:, :, :1] * (1 + 1e-2 * torch.randn(1, 2, 7, 16, generator=gen))  # a close cluster
-    v[:, :, 10:14] = v[:, :, 9:10]  # exact duplicates
+    v[:, :, 1:8] = v[:, :, :1] * (1 + CLUSTER_SCALE[dtype] * torch.randn(1, 2, 7, 16, generator=gen))
     q, k, v = (t.to(dtype).requires_grad_() for t in (q, k, v))
     p = torch.tensor([1.5, 2.5])
     grad_out = torch.randn(1, 2, 24, 16, generator=gen)
@@ -92,8 +95,8 @@ def value_gradient_error(run, dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_distance_gradient_stays_at_float32_floor(gpu_dots, monkeypatch, dtype):
     """The distance-gradient matmuls (float32 Gd against half-precision values) split Gd into TF32 parts.
-    Measured dV errors, bfloat16 / float16: tiled backend in float32 (the floor of the float32 distance
-    expansion) 8.0e-2 / 6.8e-2; kernels 6.4e-2 / 1.5e-1; the same matmuls in plain TF32 1.3e2 / 1.1e2."""
+    Measured dV errors, bfloat16 / float16: tiled backend in float32 (the float32 floor) 1.5e-3 / 1.8e-4; kernels
+    2.7e-3 / 3.7e-4; the same matmuls in plain TF32 1.8e-2 / 5.0e-2."""
     def tiled_float32(q, k, v, p):
         return plap_attention_tiled(q.float(), k.float(), v.float(), p=tuple(p.tolist()))
 
@@ -102,7 +105,7 @@ def test_distance_gradient_stays_at_float32_floor(gpu_dots, monkeypatch, dtype):
     monkeypatch.setattr(triton_module, "_exact_dot", plain_tf32_dot)
     plain_tf32 = value_gradient_error(run_kernels, dtype)
     assert kernels <= 4 * floor
-    assert plain_tf32 >= 100 * kernels
+    assert plain_tf32 >= 5 * kernels
 
 
 def test_float32_kernels_match_reference_under_gpu_dots(gpu_dots):
