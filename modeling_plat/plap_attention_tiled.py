@@ -235,11 +235,16 @@ class _Tiling:
             self.sq_norm_query_eps[rows, q0:q1, None], self.sq_norm[rows, None, k0:k1], out=_tile(buffer, *shape)
         )  # (bh, bq, bk)
         float32_baddbmm_(dist, self.v_query[rows, q0:q1], self.v[rows, k0:k1].transpose(1, 2), alpha=-2)
-        close = torch.le(dist, self.close_bound[rows, q0:q1], out=_tile(self.close_buffer, *shape))
-        self.self_diagonal(close, q0, k0).fill_(False)
-        self.self_diagonal(dist, q0, k0).fill_(self.eps)
-        if not close.any():
+        # Most tiles have no close pair: one reading pass (the row minima, self pairs left out) tells, before the
+        # compare that writes a mask.
+        diagonal = self.self_diagonal(dist, q0, k0)
+        diagonal.fill_(math.inf)
+        bound = self.close_bound[rows, q0:q1]
+        if not bool((dist.amin(-1, keepdim=True) <= bound).any()):
+            diagonal.fill_(self.eps)
             return dist, None
+        close = torch.le(dist, bound, out=_tile(self.close_buffer, *shape))
+        diagonal.fill_(self.eps)
         pair, query, key = close.nonzero(as_tuple=True)  # a few pairs: repeated tokens, near duplicates
         pair, query, key = pair + rows.start, query + q0, key + k0
         exact = (self.v_query[pair, query] - self.v[pair, key]).square_().sum(-1)
