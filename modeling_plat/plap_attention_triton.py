@@ -133,7 +133,7 @@ CONFIGS = {
         16: _config((128, 64, 8, 2), (32, 128, 8, 2), (128, 32, 8, 2)),
         32: _config((128, 64, 8, 2), (32, 128, 8, 2), (128, 32, 8, 2)),
         64: _config((128, 64, 8, 2), (32, 128, 8, 2), (128, 32, 8, 2)),
-        128: _config((128, 32, 8, 2), (16, 128, 8, 2), (32, 16, 4, 2)),
+        128: _config((128, 32, 8, 2), (16, 128, 8, 2), (128, 16, 8, 2)),
     },
     (8, "float32"): {
         16: _config((128, 16, 8, 2), (16, 128, 8, 2), (128, 16, 8, 2)),
@@ -413,8 +413,14 @@ def _masked_scores(scores, rows, cols, num_queries, num_keys, key_keep_row, docs
 
 
 @jit
-def _distances(v_query, sq_query_eps, values, sq_keys, V, rows, cols, num_keys, offset, eps, VALUE_DIM: constexpr,
-               MASKED: constexpr, QUERY_AXIS: constexpr):  # fmt: skip
+def _close_bound(sq_query_eps, eps):
+    """The largest close-pair bound among a block's queries: a plain tile whose nearest pair is above it has none."""
+    return tl.max(sq_query_eps) * CLOSE_PAIR + eps
+
+
+@jit
+def _distances(v_query, sq_query_eps, close_bound, values, sq_keys, V, rows, cols, num_keys, offset, eps,
+               VALUE_DIM: constexpr, MASKED: constexpr, QUERY_AXIS: constexpr):  # fmt: skip
     """D2 + eps from the squared norms (eps already in the query's), the self-pair tile (None-free: all false where
     the loop split excludes self pairs, MASKED false), and whether the tile has close pairs.
 
@@ -425,12 +431,15 @@ def _distances(v_query, sq_query_eps, values, sq_keys, V, rows, cols, num_keys, 
     (the diagonal band, the partial ones) neither makes the tile recompute. Elsewhere the expansion is positive."""
     cross = _pair_dot(v_query, values, QUERY_AXIS)
     dist_eps = _per_query(sq_query_eps, QUERY_AXIS) + _per_key(sq_keys, QUERY_AXIS) - 2 * cross
-    close = dist_eps <= _per_query(sq_query_eps * CLOSE_PAIR + eps, QUERY_AXIS)
     is_self = _per_key(cols, QUERY_AXIS) == _per_query(rows, QUERY_AXIS) + offset
     if MASKED:
         inside = (_per_query(rows, QUERY_AXIS) < num_keys - offset) & (_per_key(cols, QUERY_AXIS) < num_keys)
-        close = close & inside & ~is_self
-    has_close = tl.max(close.to(tl.int32)) > 0
+        close = dist_eps <= _per_query(sq_query_eps * CLOSE_PAIR + eps, QUERY_AXIS)
+        has_close = tl.max((close & inside & ~is_self).to(tl.int32)) > 0
+    else:
+        # One comparison per tile, not per pair: the tile's nearest pair against its queries' largest bound (a
+        # wider net than the pairs' own bounds, which only sends more tiles to the exact branch).
+        has_close = tl.min(dist_eps) <= close_bound
     if has_close:
         query_in, key_in = rows < num_keys - offset, cols < num_keys
         dist_eps = tl.zeros_like(dist_eps)
@@ -523,24 +532,24 @@ def _query_loop_bounds(pid_n, num_queries, num_keys, span, BLOCK_M: constexpr, B
 
 
 @jit
-def _fwd_tile(q, v_query, sq_query_eps, row_max, row_sum, off_sum, acc, K, V, SqNorms, key_keep_row, docs, rows,
-              start, num_queries, num_keys, scale_log2, exponent, eps, HEAD_DIM: constexpr, VALUE_DIM: constexpr,
-              BLOCK_D: constexpr, BLOCK_DV: constexpr, BLOCK_N: constexpr, POWER: constexpr, MASKED: constexpr,
-              IS_CAUSAL: constexpr, HAS_KEY_MASK: constexpr, HAS_DOCUMENTS: constexpr,
+def _fwd_tile(q, v_query, sq_query_eps, close_bound, row_max, row_sum, off_sum, acc, K, V, SqNorms, key_keep_row,
+              docs, rows, start, num_queries, num_keys, scale_log2, exponent, eps, HEAD_DIM: constexpr,
+              VALUE_DIM: constexpr, BLOCK_D: constexpr, BLOCK_DV: constexpr, BLOCK_N: constexpr, POWER: constexpr,
+              MASKED: constexpr, IS_CAUSAL: constexpr, HAS_KEY_MASK: constexpr, HAS_DOCUMENTS: constexpr,
               EULER: constexpr):  # fmt: skip
     """One key block of the online softmax; scores in log2 units (log2(e) folded into the scale)."""
     cols = start + tl.arange(0, BLOCK_N)
     k = _load_rows(K, cols, num_keys, HEAD_DIM, BLOCK_D)
     values = _load_rows(V, cols, num_keys, VALUE_DIM, BLOCK_DV)
     sq_keys = tl.load(SqNorms + cols, mask=cols < num_keys, other=0.0)
-    scores = _pair_dot(q, k, 0) * scale_log2
-    scores = _masked_scores(scores, rows, cols, num_queries, num_keys, key_keep_row, docs, MASKED, IS_CAUSAL,
-                            HAS_KEY_MASK, HAS_DOCUMENTS, 0)  # fmt: skip
-    new_max = tl.maximum(row_max, tl.max(scores, 1))
+    # q.k unscaled: the scale (> 0) multiplies the row maxima, and joins each score's exp2 argument as one FMA.
+    scores = _masked_scores(_pair_dot(q, k, 0), rows, cols, num_queries, num_keys, key_keep_row, docs, MASKED,
+                            IS_CAUSAL, HAS_KEY_MASK, HAS_DOCUMENTS, 0)  # fmt: skip
+    new_max = tl.maximum(row_max, tl.max(scores, 1) * scale_log2)
     rescale = tl.exp2(row_max - new_max)
-    expo = tl.exp2(scores - new_max[:, None])
+    expo = tl.exp2(scores * scale_log2 - new_max[:, None])
     row_sum = row_sum * rescale + tl.sum(expo, 1)
-    dist_eps, is_self, _ = _distances(v_query, sq_query_eps, values, sq_keys, V, rows, cols, num_keys,
+    dist_eps, is_self, _ = _distances(v_query, sq_query_eps, close_bound, values, sq_keys, V, rows, cols, num_keys,
                                       num_keys - num_queries, eps, VALUE_DIM, MASKED, 0)  # fmt: skip
     weights = expo * _power(dist_eps, _exponent(exponent, POWER), POWER)[0]
     if EULER:
@@ -571,6 +580,7 @@ def _plap_fwd_kernel(
     q = _load_rows(Q + slab * num_queries * HEAD_DIM, rows, num_queries, HEAD_DIM, BLOCK_D)
     v_query = _load_rows(V, rows + offset, num_keys, VALUE_DIM, BLOCK_DV)
     sq_query_eps = tl.load(SqNorms + rows + offset, mask=row_in, other=0.0) + eps
+    close_bound = _close_bound(sq_query_eps, eps)
     docs, span = _fixed_documents(Documents, slab, num_heads, rows, num_keys, HAS_DOCUMENTS)
 
     row_max = tl.full([BLOCK_M], MIN_SCORE, tl.float32)
@@ -581,13 +591,15 @@ def _plap_fwd_kernel(
                                      HAS_KEY_MASK)  # fmt: skip
     for index in range(0, plain[0]):
         row_max, row_sum, off_sum, acc = _fwd_tile(
-            q, v_query, sq_query_eps, row_max, row_sum, off_sum, acc, K, V, SqNorms, key_keep_row, docs, rows,
+            q, v_query, sq_query_eps, close_bound, row_max, row_sum, off_sum, acc, K, V, SqNorms, key_keep_row, docs,
+            rows,
             _tile_start(index, plain, BLOCK_N), num_queries, num_keys, scale_log2, exponent, eps, HEAD_DIM,
             VALUE_DIM, BLOCK_D, BLOCK_DV, BLOCK_N, POWER, False, IS_CAUSAL, HAS_KEY_MASK, HAS_DOCUMENTS, EULER,
         )  # fmt: skip
     for index in range(0, masked[0]):
         row_max, row_sum, off_sum, acc = _fwd_tile(
-            q, v_query, sq_query_eps, row_max, row_sum, off_sum, acc, K, V, SqNorms, key_keep_row, docs, rows,
+            q, v_query, sq_query_eps, close_bound, row_max, row_sum, off_sum, acc, K, V, SqNorms, key_keep_row, docs,
+            rows,
             _tile_start(index, masked, BLOCK_N), num_queries, num_keys, scale_log2, exponent, eps, HEAD_DIM,
             VALUE_DIM, BLOCK_D, BLOCK_DV, BLOCK_N, POWER, True, IS_CAUSAL, HAS_KEY_MASK, HAS_DOCUMENTS, EULER,
         )  # fmt: skip
@@ -607,8 +619,8 @@ def _plap_fwd_kernel(
 
 @jit
 def _tile_grads(
-    q, k, v_query, values, sq_query_eps, sq_keys, grad_out, lse, delta, own_dot, V, rows, cols, key_keep_row, docs,
-    num_queries, num_keys, scale_log2, exponent, eps, VALUE_DIM: constexpr,
+    q, k, v_query, values, sq_query_eps, close_bound, sq_keys, grad_out, lse, delta, own_dot, V, rows, cols,
+    key_keep_row, docs, num_queries, num_keys, scale_log2, exponent, eps, VALUE_DIM: constexpr,
     POWER: constexpr, MASKED: constexpr, IS_CAUSAL: constexpr, HAS_KEY_MASK: constexpr, HAS_DOCUMENTS: constexpr,
     EULER: constexpr, QUERY_AXIS: constexpr,
 ):  # fmt: skip
@@ -618,8 +630,9 @@ def _tile_grads(
                             key_keep_row, docs, MASKED, IS_CAUSAL, HAS_KEY_MASK, HAS_DOCUMENTS,
                             QUERY_AXIS)  # fmt: skip
     attn = tl.exp2(scores - _per_query(lse, QUERY_AXIS))
-    dist_eps, is_self, has_close = _distances(v_query, sq_query_eps, values, sq_keys, V, rows, cols, num_keys,
-                                              num_keys - num_queries, eps, VALUE_DIM, MASKED, QUERY_AXIS)  # fmt: skip
+    dist_eps, is_self, has_close = _distances(v_query, sq_query_eps, close_bound, values, sq_keys, V, rows, cols,
+                                              num_keys, num_keys - num_queries, eps, VALUE_DIM, MASKED,
+                                              QUERY_AXIS)  # fmt: skip
     exponent = _exponent(exponent, POWER)
     power, inv_dist = _power(dist_eps, exponent, POWER)
     weights = attn * power
@@ -642,8 +655,8 @@ def _tile_grads(
 @jit
 def _query_side(slab, rows, V, SqNorms, GradOut, Lse, Delta, OwnDot, num_queries, num_keys, eps,
                 VALUE_DIM: constexpr, BLOCK_DV: constexpr):  # fmt: skip
-    """What a backward tile needs of a block of queries besides q: own values, their squared norms + eps, dU,
-    and the row statistics."""
+    """What a backward tile needs of a block of queries besides q: own values, their squared norms + eps and the
+    block's bound of close pairs, dU, and the row statistics."""
     offset = num_keys - num_queries
     row_in = rows < num_queries
     stats = slab * num_queries + rows
@@ -653,7 +666,7 @@ def _query_side(slab, rows, V, SqNorms, GradOut, Lse, Delta, OwnDot, num_queries
     lse = tl.load(Lse + stats, mask=row_in, other=float("inf"))
     delta = tl.load(Delta + stats, mask=row_in, other=0.0)
     own_dot = tl.load(OwnDot + stats, mask=row_in, other=0.0)
-    return v_query, sq_query_eps, grad_out, lse, delta, own_dot
+    return v_query, sq_query_eps, _close_bound(sq_query_eps, eps), grad_out, lse, delta, own_dot
 
 
 @jit
@@ -664,14 +677,14 @@ def _dkdv_tile(grad_k, grad_v, grad_dist_sum, k, values, sq_keys, cols, start, s
                HAS_KEY_MASK: constexpr, HAS_DOCUMENTS: constexpr, EULER: constexpr):  # fmt: skip
     rows = start + tl.arange(0, BLOCK_M)
     q = _load_rows(Q + slab * num_queries * HEAD_DIM, rows, num_queries, HEAD_DIM, BLOCK_D)
-    v_query, sq_query_eps, grad_out, lse, delta, own_dot = _query_side(
+    v_query, sq_query_eps, close_bound, grad_out, lse, delta, own_dot = _query_side(
         slab, rows, V, SqNorms, GradOut, Lse, Delta, OwnDot, num_queries, num_keys, eps, VALUE_DIM, BLOCK_DV
     )
     # (keys, queries) tiles
     weights, grad_scores, grad_dist = _tile_grads(
-        q, k, v_query, values, sq_query_eps, sq_keys, grad_out, lse, delta, own_dot, V, rows, cols, key_keep_row,
-        docs, num_queries, num_keys, scale_log2, exponent, eps, VALUE_DIM, POWER, MASKED, IS_CAUSAL, HAS_KEY_MASK,
-        HAS_DOCUMENTS, EULER, 1,
+        q, k, v_query, values, sq_query_eps, close_bound, sq_keys, grad_out, lse, delta, own_dot, V, rows, cols,
+        key_keep_row, docs, num_queries, num_keys, scale_log2, exponent, eps, VALUE_DIM, POWER, MASKED, IS_CAUSAL,
+        HAS_KEY_MASK, HAS_DOCUMENTS, EULER, 1,
     )  # fmt: skip
     grad_v += tl.dot(weights.to(grad_out.dtype), grad_out, input_precision=FLOAT32_DOT)
     grad_k += tl.dot(grad_scores.to(q.dtype), q, input_precision=FLOAT32_DOT)
@@ -725,8 +738,8 @@ def _plap_bwd_dkdv_kernel(
 
 
 @jit
-def _dq_tile(grad_q, grad_v_own, grad_dist_sum, q, v_query, sq_query_eps, grad_out, lse, delta, own_dot, rows,
-             start, K, V, SqNorms, key_keep_row, docs, num_queries, num_keys, scale_log2, exponent, eps,
+def _dq_tile(grad_q, grad_v_own, grad_dist_sum, q, v_query, sq_query_eps, close_bound, grad_out, lse, delta, own_dot,
+             rows, start, K, V, SqNorms, key_keep_row, docs, num_queries, num_keys, scale_log2, exponent, eps,
              HEAD_DIM: constexpr, VALUE_DIM: constexpr, BLOCK_D: constexpr, BLOCK_DV: constexpr,
              BLOCK_N: constexpr, POWER: constexpr, MASKED: constexpr, IS_CAUSAL: constexpr,
              HAS_KEY_MASK: constexpr, HAS_DOCUMENTS: constexpr, EULER: constexpr):  # fmt: skip
@@ -735,9 +748,9 @@ def _dq_tile(grad_q, grad_v_own, grad_dist_sum, q, v_query, sq_query_eps, grad_o
     values = _load_rows(V, cols, num_keys, VALUE_DIM, BLOCK_DV)
     sq_keys = tl.load(SqNorms + cols, mask=cols < num_keys, other=0.0)
     weights, grad_scores, grad_dist = _tile_grads(
-        q, k, v_query, values, sq_query_eps, sq_keys, grad_out, lse, delta, own_dot, V, rows, cols, key_keep_row,
-        docs, num_queries, num_keys, scale_log2, exponent, eps, VALUE_DIM, POWER, MASKED, IS_CAUSAL, HAS_KEY_MASK,
-        HAS_DOCUMENTS, EULER, 0,
+        q, k, v_query, values, sq_query_eps, close_bound, sq_keys, grad_out, lse, delta, own_dot, V, rows, cols,
+        key_keep_row, docs, num_queries, num_keys, scale_log2, exponent, eps, VALUE_DIM, POWER, MASKED, IS_CAUSAL,
+        HAS_KEY_MASK, HAS_DOCUMENTS, EULER, 0,
     )  # fmt: skip
     grad_q += tl.dot(grad_scores.to(k.dtype), k, input_precision=FLOAT32_DOT)
     grad_v_own = _exact_dot(-grad_dist, values, grad_v_own)
@@ -761,7 +774,7 @@ def _plap_bwd_dq_kernel(
     SqNorms += slab * num_keys
     key_keep_row = KeyKeep + (slab // num_heads) * num_keys
     q = _load_rows(Q + slab * num_queries * HEAD_DIM, rows, num_queries, HEAD_DIM, BLOCK_D)
-    v_query, sq_query_eps, grad_out, lse, delta, own_dot = _query_side(
+    v_query, sq_query_eps, close_bound, grad_out, lse, delta, own_dot = _query_side(
         slab, rows, V, SqNorms, GradOut, Lse, Delta, OwnDot, num_queries, num_keys, eps, VALUE_DIM, BLOCK_DV
     )
     docs, span = _fixed_documents(Documents, slab, num_heads, rows, num_keys, HAS_DOCUMENTS)
@@ -773,14 +786,16 @@ def _plap_bwd_dq_kernel(
                                      HAS_KEY_MASK)  # fmt: skip
     for index in range(0, plain[0]):
         grad_q, grad_v_own, grad_dist_sum = _dq_tile(
-            grad_q, grad_v_own, grad_dist_sum, q, v_query, sq_query_eps, grad_out, lse, delta, own_dot, rows,
+            grad_q, grad_v_own, grad_dist_sum, q, v_query, sq_query_eps, close_bound, grad_out, lse, delta, own_dot,
+            rows,
             _tile_start(index, plain, BLOCK_N), K, V, SqNorms, key_keep_row, docs, num_queries, num_keys, scale_log2,
             exponent, eps, HEAD_DIM, VALUE_DIM, BLOCK_D, BLOCK_DV, BLOCK_N, POWER, False, IS_CAUSAL, HAS_KEY_MASK,
             HAS_DOCUMENTS, EULER,
         )  # fmt: skip
     for index in range(0, masked[0]):
         grad_q, grad_v_own, grad_dist_sum = _dq_tile(
-            grad_q, grad_v_own, grad_dist_sum, q, v_query, sq_query_eps, grad_out, lse, delta, own_dot, rows,
+            grad_q, grad_v_own, grad_dist_sum, q, v_query, sq_query_eps, close_bound, grad_out, lse, delta, own_dot,
+            rows,
             _tile_start(index, masked, BLOCK_N), K, V, SqNorms, key_keep_row, docs, num_queries, num_keys, scale_log2,
             exponent, eps, HEAD_DIM, VALUE_DIM, BLOCK_D, BLOCK_DV, BLOCK_N, POWER, True, IS_CAUSAL, HAS_KEY_MASK,
             HAS_DOCUMENTS, EULER,

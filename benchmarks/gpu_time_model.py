@@ -1,0 +1,333 @@
+"""Predicted times of the fused Triton kernels on Hopper, calibrated on an H200 and computed without a GPU.
+
+    python benchmarks/gpu_time_model.py              # today's kernels at the kernel-speed targets' shapes
+    python benchmarks/gpu_time_model.py --calibrate  # refit LATENCY_HIDING on the H200 figures of the 059074d kernels
+
+``gpu_static_cost.py`` counts what each score costs at the pipes' full rate. Nsight Compute on an H200 showed the
+kernels far from it: at 207-255 registers per thread one block of 8 warps fits an SM, 2 warps per scheduler, and the
+schedulers issue in about a third of their clocks (IPC 1.49 of 4). This model adds that:
+
+- residency: blocks per SM from registers per thread (allocated per warp in units of 256), warps per block and shared
+  memory per block, against the SM's 65,536 registers, 64 warps, 32 blocks and 228 KB (sm_90);
+- latency hiding: a scheduler with ``w`` resident warps issues in ``1 - (1 - LATENCY_HIDING) ** w`` of its clocks,
+  each warp ready in a clock with the same chance, fitted to the measurements below;
+- clocks per score = the slowest of: the loop's instructions at that issue rate, and the special-function, FP32 and
+  tensor pipes at their full rates (floors that no latency hiding lowers; taking all of them at the reduced rate fit
+  the measurements worse, -15% to +35%);
+- time of a kernel = scores it visits (its tiles, the diagonal's waste included) x clocks per score / (SMs x clock);
+- auxiliary tensor operations (norms, reductions, casts) = the bytes they read and write, counted by running the
+  backend's host code on meta tensors, at the effective bandwidth the same profile showed.
+
+What it cannot see: memory stalls (dQ at head size 128 ran at 75% of the memory throughput), tails of the grid, L2
+misses, launch latency. Every calibration point ran at the same occupancy (one block of 8 warps per SM), so the
+fitted chance says how busy such a kernel is, and the curve beyond 2 warps per scheduler is the model's assumption,
+not a measurement: treat predictions for other occupancies as estimates until a GPU measures them.
+"""
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import gpu_static_cost
+
+ROOT = Path(__file__).resolve().parents[1]
+# Per-SM residency limits (CUDA C++ Programming Guide, "Technical Specifications per Compute Capability"; 1 KB of
+# shared memory per block is reserved by the system).
+RESIDENCY = {
+    90: dict(registers=65536, warps=64, blocks=32, shared=233472),
+    80: dict(registers=65536, warps=64, blocks=32, shared=167936),
+}
+RESERVED_SHARED = 1024
+REGISTER_UNIT = 256  # registers are allocated per warp in multiples of this
+# H100 / H200 SXM: 132 SMs at 1.98 GHz boost; the calibration's fitted constants absorb the clock's real value.
+GPU = dict(arch=90, sms=132, clock_hz=1.98e9)
+# The chance that a resident warp can issue in a given clock; refit by --calibrate (figures below).
+LATENCY_HIDING = 0.132
+# Effective bandwidth of the auxiliary tensor operations (bytes per second), refit by --calibrate.
+AUXILIARY_BANDWIDTH = 2.41e12
+
+# Measured on an NVIDIA H200 (torch 2.11.0+cu130, Triton 3.6.0, bf16) with the kernels of commit 059074d, 2 x 16
+# heads x 4096 tokens, causal: Nsight Compute with every head at p = 1.5 (one launch per kernel), and a profile of a
+# paper-mix forward + backward (two launches per kernel, p = 1.5 and 2.5; the auxiliary operations ~300 us).
+CALIBRATION_COMMIT = "059074d"
+MEASURED_KERNEL_US = [
+    dict(kernel="fwd", head_dim=64, p=(1.5,), us=553),
+    dict(kernel="dkdv", head_dim=64, p=(1.5,), us=1250),
+    dict(kernel="dq", head_dim=64, p=(1.5,), us=1140),
+    dict(kernel="fwd", head_dim=128, p=(1.5,), us=890),
+    dict(kernel="dkdv", head_dim=128, p=(1.5,), us=2520),
+    dict(kernel="dq", head_dim=128, p=(1.5,), us=3990, memory_bound=True),
+    dict(kernel="fwd", head_dim=64, p=(1.5, 2.5), us=631),
+    dict(kernel="dkdv", head_dim=64, p=(1.5, 2.5), us=1412),
+    dict(kernel="dq", head_dim=64, p=(1.5, 2.5), us=1304),
+]
+MEASURED_AUXILIARY_US = dict(head_dim=64, us=300)
+CALIBRATION_SHAPE = dict(batch=2, heads=16, tokens=4096)
+# Whole calls of the same kernels in the same run (forward, forward + backward in ms, medians of 15), beside the fit:
+# the shapes other than 4k x 64 check the model out of sample.
+MEASURED_CALLS_MS = [
+    dict(shape=(8, 12, 1024, 64), ms=(0.622, 2.222)),
+    dict(shape=(2, 16, 4096, 64), ms=(1.033, 3.964)),
+    dict(shape=(2, 16, 4096, 128), ms=(1.273, 8.900)),
+    dict(shape=(1, 8, 16384, 64), ms=(2.587, 12.15)),
+]
+# The kernel-speed targets: (B, H, N, d) causal, bf16, plat / SDPA's default backend on the same H200 (forward,
+# forward + backward in ms, measured there), and the ratios to reach (None: no target).
+TARGETS = [
+    dict(shape=(2, 16, 4096, 64), sdpa_ms=(0.203, 0.724), target=(2.0, 2.5)),
+    dict(shape=(2, 16, 4096, 128), sdpa_ms=(0.278, 1.058), target=(None, 3.0)),
+    dict(shape=(1, 8, 16384, 64), sdpa_ms=(0.672, 2.237), target=(None, 2.5)),
+]
+PAPER_MIX = (1.5, 2.5)
+
+
+def residency(registers, num_warps, shared, arch=GPU["arch"]):
+    """(blocks per SM, warps per scheduler) of a kernel with these resources."""
+    limits = RESIDENCY[arch]
+    per_warp = math.ceil(registers * 32 / REGISTER_UNIT) * REGISTER_UNIT
+    blocks = min(limits["registers"] // (per_warp * num_warps), limits["warps"] // num_warps, limits["blocks"],
+                 limits["shared"] // (shared + RESERVED_SHARED))  # fmt: skip
+    return blocks, blocks * num_warps / 4
+
+
+def issue_fraction(warps_per_scheduler, ready=None):
+    """The share of clocks in which a scheduler with this many warps issues."""
+    ready = LATENCY_HIDING if ready is None else ready
+    return 1 - (1 - ready) ** warps_per_scheduler
+
+
+def visited_scores(kernel, config, tokens, is_causal):
+    """Scores a kernel's tiles cover in one (batch, head) of N = ``tokens`` queries and keys, as its loops visit them:
+    the forward and dQ tile each query block's keys up to its last query, dK/dV each key block's queries from its
+    first key."""
+    block_m, block_n = config["block_m"], config["block_n"]
+    if not is_causal:
+        return math.ceil(tokens / block_m) * block_m * math.ceil(tokens / block_n) * block_n
+    if kernel == "dkdv":
+        total = 0
+        for start in range(0, tokens, block_n):
+            first = start // block_m * block_m
+            total += math.ceil((tokens - first) / block_m) * block_m * block_n
+        return total
+    return sum(math.ceil(min(tokens, start + block_m) / block_n) * block_n * block_m
+               for start in range(0, tokens, block_m))  # fmt: skip
+
+
+def clocks_per_score(analysis, ready=None):
+    """SM clocks per score: the issue pipe at the rate its resident warps sustain, the others at their full rate
+    (each a floor that latency cannot lower)."""
+    _, warps = residency(analysis["registers"], analysis["config"]["num_warps"], analysis["shared"])
+    return max(analysis["issue"] / issue_fraction(warps, ready), analysis["mufu"], analysis["fp32"],
+               analysis["tensor"])  # fmt: skip
+
+
+def kernel_seconds(analysis, kernel, heads, tokens, is_causal, ready=None):
+    """Predicted time of one launch of ``kernel`` over ``heads`` (batch x heads) slabs."""
+    scores = heads * visited_scores(kernel, analysis["config"], tokens, is_causal)
+    return scores * clocks_per_score(analysis, ready) / (GPU["sms"] * GPU["clock_hz"])
+
+
+class ByteCounter(TorchDispatchMode):
+    """Bytes read and written by the ATen operations that move data (views and allocations excluded)."""
+
+    FREE = {"empty", "empty_like", "new_empty", "empty_strided", "view", "_unsafe_view", "expand", "slice", "select",
+            "t", "transpose", "permute", "unsqueeze", "squeeze", "alias", "detach", "as_strided",
+            "contiguous"}  # fmt: skip
+
+    def __init__(self):
+        super().__init__()
+        self.bytes = 0
+        self.operations = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        if name not in self.FREE:
+            tensors = [t for t in torch.utils._pytree.tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
+            moved = sum(t.numel() * t.element_size() for t in tensors)
+            self.bytes += moved
+            self.operations.append((name, moved))
+        return out
+
+
+def auxiliary_bytes(triton_module, batch, heads, tokens, head_dim, p, dtype=torch.bfloat16):
+    """(forward, backward) bytes moved by the Triton backend's tensor operations besides its kernels, on meta tensors
+    (the kernel launches replaced by no-ops)."""
+    shape = (batch, heads, tokens, head_dim)
+    query, key, value, grad_out = (torch.empty(shape, device="meta", dtype=dtype) for _ in range(4))
+    config = triton_module._flat(triton_module.launch_config(dtype, head_dim, head_dim, (9, 0)))
+    # The host functions of the custom ops (CALIBRATION_COMMIT's module has only the ops, which hold them).
+    fused_forward = getattr(triton_module, "_fused_forward", None) or triton_module._forward_op._init_fn
+    fused_backward = getattr(triton_module, "_fused_backward", None) or triton_module._backward_op._init_fn
+    original = triton_module._run
+    triton_module._run = lambda launch, query, value: None
+    try:
+        with ByteCounter() as forward:
+            out, lse, own_weight, sq_norms = fused_forward(query, key, value, None, None, list(p), True, 1e-6, False,
+                                                           config)  # fmt: skip
+        with ByteCounter() as backward:
+            fused_backward(grad_out, query, key, value, None, None, out, lse, own_weight, sq_norms, list(p), True,
+                           1e-6, False, config)  # fmt: skip
+    finally:
+        triton_module._run = original
+    return forward.bytes, backward.bytes
+
+
+def analyses(head_dims, p_values):
+    """{(kernel, head_dim, p): gpu_static_cost analysis} of the kernels that ``modeling_plat`` holds now, compiled for
+    sm_90, bf16, causal."""
+    from modeling_plat import plap_attention_triton as triton_module
+
+    result = {}
+    for head_dim in head_dims:
+        for p in p_values:
+            case = dict(arch=GPU["arch"], dtype="bfloat16", head_dim=head_dim, value_dim=head_dim, is_causal=True,
+                        key_mask=False, euler=False, num_queries=1024, num_keys=1024, p=p)  # fmt: skip
+            for kernel, launch in gpu_static_cost.plat_launches(triton_module, case, p).items():
+                result[kernel, head_dim, p] = gpu_static_cost.analyse(launch, GPU["arch"])
+    return result
+
+
+def predict(found, aux, batch, heads, tokens, head_dim, p, ready=None, bandwidth=None):
+    """Predicted (forward, forward + backward) seconds and the kernels' share: one launch per run of equal p."""
+    bandwidth = AUXILIARY_BANDWIDTH if bandwidth is None else bandwidth
+    kernels = {}
+    for kernel in ("fwd", "dkdv", "dq"):
+        kernels[kernel] = sum(kernel_seconds(found[kernel, head_dim, value], kernel, batch * heads * share, tokens,
+                                             True, ready)  # fmt: skip
+                              for value, share in _p_shares(p).items())
+    forward = kernels["fwd"] + aux[0] / bandwidth
+    return forward, forward + kernels["dkdv"] + kernels["dq"] + aux[1] / bandwidth, kernels
+
+
+def _p_shares(p):
+    return {value: p.count(value) / len(p) for value in sorted(set(p))}
+
+
+def calibration_inputs(json_path):
+    """Run in a checkout of CALIBRATION_COMMIT's modeling_plat: its analyses and auxiliary bytes, as JSON."""
+    from modeling_plat import plap_attention_triton as triton_module
+
+    found = analyses((64, 128), PAPER_MIX)
+    shapes = [call["shape"] for call in MEASURED_CALLS_MS]
+    aux = {str(shape): auxiliary_bytes(triton_module, *shape, paper_p(shape[1])) for shape in shapes}
+    Path(json_path).write_text(json.dumps(dict(analyses=[[list(k), v] for k, v in found.items()], aux=aux)))
+
+
+def paper_p(heads):
+    """The paper's mix over ``heads`` heads: the first half p = 1.5, the rest 2.5."""
+    return [PAPER_MIX[h * len(PAPER_MIX) // heads] for h in range(heads)]
+
+
+def calibrate():
+    """Fit LATENCY_HIDING and AUXILIARY_BANDWIDTH on the measurements; print predicted against measured."""
+    with tempfile.TemporaryDirectory(prefix="gpu-time-model-") as tmp:
+        archive = subprocess.run(["git", "-C", str(ROOT), "archive", CALIBRATION_COMMIT, "modeling_plat"], check=True,
+                                 capture_output=True)  # fmt: skip
+        subprocess.run(["tar", "-x", "-C", tmp], input=archive.stdout, check=True)
+        out = Path(tmp) / "inputs.json"
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        env.update(PYTHONPATH=os.pathsep.join([tmp, str(ROOT / "benchmarks")]),
+                   TRITON_CACHE_DIR=str(Path(tmp) / "cache"))  # fmt: skip
+        subprocess.run([sys.executable, __file__, "--calibration-inputs", str(out)], check=True, env=env, cwd=tmp)
+        inputs = json.loads(out.read_text())
+    found = {tuple(k[:2]) + (k[2],): v for k, v in inputs["analyses"]}
+    shape = CALIBRATION_SHAPE
+    slabs = shape["batch"] * shape["heads"]
+
+    def predicted_us(point, ready):
+        return 1e6 * sum(kernel_seconds(found[point["kernel"], point["head_dim"], value], point["kernel"],
+                                        slabs * share, shape["tokens"], True, ready)  # fmt: skip
+                         for value, share in _p_shares(list(point["p"])).items())
+
+    fitted = [point for point in MEASURED_KERNEL_US if not point.get("memory_bound")]
+    candidates = [step / 1000 for step in range(20, 600)]
+    ready = min(candidates, key=lambda r: sum(math.log(predicted_us(pt, r) / pt["us"]) ** 2 for pt in fitted))
+    calibration_call = (shape["batch"], shape["heads"], shape["tokens"], MEASURED_AUXILIARY_US["head_dim"])
+    aux_bytes = sum(inputs["aux"][str(calibration_call)])
+    bandwidth = aux_bytes / (MEASURED_AUXILIARY_US["us"] * 1e-6)
+    print(f"fitted on the kernels of {CALIBRATION_COMMIT} (H200 figures): LATENCY_HIDING = {ready:.3f}, "
+          f"AUXILIARY_BANDWIDTH = {bandwidth:.3g} B/s ({aux_bytes / 1e6:.0f} MB in {MEASURED_AUXILIARY_US['us']} us)")
+    print(f"{'kernel':<6} {'d':>4} {'p':<10} {'regs':>4} {'warps/sched':>11} {'clk/score':>9} {'predicted us':>12} "
+          f"{'measured us':>11} {'error':>7}")  # fmt: skip
+    for point in MEASURED_KERNEL_US:
+        analysis = found[point["kernel"], point["head_dim"], point["p"][0]]
+        _, warps = residency(analysis["registers"], analysis["config"]["num_warps"], analysis["shared"])
+        value = predicted_us(point, ready)
+        note = "  (memory bound: not fitted)" if point.get("memory_bound") else ""
+        print(f"{point['kernel']:<6} {point['head_dim']:>4} {'/'.join(map(str, point['p'])):<10} "
+              f"{analysis['registers']:>4} {warps:>11.1f} {clocks_per_score(analysis, ready):>9.3f} {value:>12.0f} "
+              f"{point['us']:>11} "
+              f"{value / point['us'] - 1:>+7.0%}{note}")  # fmt: skip
+    print("whole calls, paper mix (kernels + auxiliary operations; launches and host work not modelled):")
+    for call in MEASURED_CALLS_MS:
+        shape = call["shape"]
+        predicted = predict(found, inputs["aux"][str(shape)], *shape, paper_p(shape[1]), ready, bandwidth)[:2]
+        errors = [predicted[i] * 1e3 / call["ms"][i] - 1 for i in (0, 1)]
+        print(f"  {str(shape):<20} forward {predicted[0] * 1e3:.3f} ms against {call['ms'][0]} ({errors[0]:+.0%}), "
+              f"forward + backward {predicted[1] * 1e3:.3f} ms against {call['ms'][1]} ({errors[1]:+.0%})")
+    return ready, bandwidth
+
+
+def report_targets():
+    """Today's kernels at the targets' shapes: predicted times and ratios to SDPA's measured ones."""
+    from modeling_plat import plap_attention_triton as triton_module
+
+    found = analyses(sorted({t["shape"][3] for t in TARGETS}), PAPER_MIX)
+    print(f"predicted on sm_90 (H200 calibration: LATENCY_HIDING = {LATENCY_HIDING}, auxiliary operations at "
+          f"{AUXILIARY_BANDWIDTH:.3g} B/s), bf16, causal, p mix {PAPER_MIX}")
+    for (kernel, head_dim, p), analysis in sorted(found.items(), key=lambda item: (item[0][1], item[0][0])):
+        blocks, warps = residency(analysis["registers"], analysis["config"]["num_warps"], analysis["shared"])
+        config = analysis["config"]
+        print(f"  d={head_dim:<4} {kernel:<5} p={p:<4} tiles {config['block_m']}x{config['block_n']}, "
+              f"{config['num_warps']} warps, {analysis['registers']} registers, {blocks} block(s)/SM = {warps:.0f} "
+              f"warps/scheduler, issuing {issue_fraction(warps):.0%}, {clocks_per_score(analysis):.3f} clk/score "
+              f"({analysis['per_score']['instructions']:.1f} instructions)")  # fmt: skip
+    rows = []
+    for target in TARGETS:
+        batch, heads, tokens, head_dim = target["shape"]
+        p = paper_p(heads)
+        aux = auxiliary_bytes(triton_module, batch, heads, tokens, head_dim, p)
+        forward, both, kernels = predict(found, aux, batch, heads, tokens, head_dim, p)
+        ratios = (forward * 1e3 / target["sdpa_ms"][0], both * 1e3 / target["sdpa_ms"][1])
+        verdicts = ["" if goal is None else ("meets" if ratio <= goal else "misses") + f" <= {goal}x"
+                    for ratio, goal in zip(ratios, target["target"])]  # fmt: skip
+        print(f"  {target['shape']}: forward {forward * 1e3:.3f} ms = {ratios[0]:.2f}x SDPA {verdicts[0]}; forward + "
+              f"backward {both * 1e3:.3f} ms = {ratios[1]:.2f}x SDPA {verdicts[1]} (kernels fwd "
+              f"{kernels['fwd'] * 1e6:.0f}, dkdv {kernels['dkdv'] * 1e6:.0f}, dq {kernels['dq'] * 1e6:.0f} us; "
+              f"auxiliary {aux[0] / 1e6:.0f} + {aux[1] / 1e6:.0f} MB)")  # fmt: skip
+        rows.append(dict(shape=target["shape"], forward_ms=forward * 1e3, both_ms=both * 1e3, ratios=ratios))
+    return rows
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--calibrate", action="store_true", help=f"refit on the kernels of {CALIBRATION_COMMIT}")
+    parser.add_argument("--calibration-inputs", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--json", type=Path, help="write the predictions to this file")
+    args = parser.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        sys.exit("TRITON_INTERPRET is set: the kernels are interpreted functions and cannot be compiled")
+    if args.calibration_inputs:
+        return calibration_inputs(args.calibration_inputs)
+    if args.calibrate:
+        calibrate()
+        return 0
+    rows = report_targets()
+    if args.json:
+        args.json.write_text(json.dumps(dict(latency_hiding=LATENCY_HIDING, bandwidth=AUXILIARY_BANDWIDTH, rows=rows)))
+    return 0
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(BrokenPipeError):
+        sys.exit(main())

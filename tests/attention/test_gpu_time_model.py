@@ -1,0 +1,73 @@
+"""benchmarks/gpu_time_model.py on CPU: residency, latency hiding, the tiles' scores and the auxiliary bytes, each
+against what it must equal (no compile: the kernels' analyses are those of gpu_static_cost, tested beside)."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from modeling_plat import plap_attention_triton as triton_module
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def model():
+    sys.path.insert(0, str(BENCHMARKS))  # it imports gpu_static_cost beside it
+    try:
+        spec = importlib.util.spec_from_file_location("gpu_time_model", BENCHMARKS / "gpu_time_model.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    return module
+
+
+@pytest.mark.parametrize(
+    "registers, warps, shared, expected",
+    [
+        (255, 8, 99328, (1, 2.0)),  # today's kernels: one block of 8 warps per SM
+        (128, 8, 50000, (2, 4.0)),  # 16 warps: the occupancy the kernel-speed work aims at
+        (168, 4, 41216, (3, 3.0)),  # 168 x 32 = 5376 registers per warp, 12 warps fit
+        (96, 4, 120000, (1, 1.0)),  # shared memory decides
+        (32, 1, 0, (32, 8.0)),  # the block limit
+    ],
+)
+def test_residency(model, registers, warps, shared, expected):
+    assert model.residency(registers, warps, shared, 90) == expected
+
+
+def test_issue_fraction_grows_with_warps_and_saturates(model):
+    fractions = [model.issue_fraction(w) for w in (1, 2, 4, 8, 16)]
+    assert fractions == sorted(fractions) and fractions[0] == pytest.approx(model.LATENCY_HIDING)
+    assert 0.8 < model.issue_fraction(16) < 1
+
+
+def test_clocks_per_score_takes_the_slowest_floor(model):
+    analysis = dict(registers=255, shared=1000, config=dict(num_warps=8), issue=0.1, mufu=0.5, fp32=0.01, tensor=0.02)
+    assert model.clocks_per_score(analysis) == 0.5  # the special functions, at their full rate
+    analysis["mufu"] = 0.01
+    assert model.clocks_per_score(analysis) == pytest.approx(0.1 / model.issue_fraction(2.0))
+
+
+@pytest.mark.parametrize("kernel", ["fwd", "dq", "dkdv"])
+def test_visited_scores(model, kernel):
+    tokens = 300
+    single = dict(block_m=1, block_n=1)
+    assert model.visited_scores(kernel, single, tokens, True) == tokens * (tokens + 1) // 2
+    assert model.visited_scores(kernel, dict(block_m=64, block_n=32), tokens, False) == 320 * 320
+    tiles = dict(block_m=64, block_n=32) if kernel != "dkdv" else dict(block_m=32, block_n=64)
+    causal = model.visited_scores(kernel, tiles, tokens, True)
+    # Every allowed pair, and at most the diagonal band's tiles (and the padded last block) on top.
+    assert tokens * (tokens + 1) // 2 <= causal <= tokens * (tokens + 1) // 2 + 320 * (64 + 32)
+
+
+def test_auxiliary_bytes_count_the_host_tensor_operations(model):
+    batch, heads, tokens, head_dim = 2, 4, 128, 64
+    forward, backward = model.auxiliary_bytes(triton_module, batch, heads, tokens, head_dim, [1.5, 1.5, 2.5, 2.5])
+    elements = batch * heads * tokens * head_dim
+    # The forward's squared norms: bf16 -> float32 (2 + 4 bytes), square (4 + 4), sum over d (4 + 4 / d).
+    assert forward == elements * (2 + 4 + 4 + 4 + 4) + elements // head_dim * 4
+    assert backward > forward  # D = rowsum(dU * U) and the casts of the gradients
+
