@@ -198,7 +198,8 @@ def analyses(head_dims, p_values):
 
 
 def predict(found, aux, batch, heads, tokens, head_dim, p, ready=None, bandwidth=None):
-    """Predicted (forward, forward + backward) seconds and the kernels' share: one launch per run of equal p."""
+    """Predicted (forward, forward + backward) seconds and each kernel's: the heads of each p at that p's cost (the
+    launches' count and tails are not modelled)."""
     bandwidth = AUXILIARY_BANDWIDTH if bandwidth is None else bandwidth
     kernels = {}
     for kernel in ("fwd", "dkdv", "dq"):

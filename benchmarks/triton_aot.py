@@ -32,6 +32,13 @@ ROOT = Path(__file__).resolve().parents[1]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 KERNELS = ("fwd", "dkdv", "dq")
 DEFAULT_P = 1.5  # the paper's p < 2; p = 2.5 and any other p compile other powers
+HEADS = 3  # of the small inputs a case is compiled for
+
+
+def case_p(case):
+    """The heads' p of a case: ``p`` is one float for every head, or a list of one per head."""
+    p = case.get("p", DEFAULT_P)
+    return tuple(p) if isinstance(p, (list, tuple)) else (p,) * HEADS
 
 
 def case_id(case):
@@ -39,15 +46,16 @@ def case_id(case):
                                           ("packed-", case.get("documents"))) if on)  # fmt: skip
     return (
         f"sm{case['arch']}-{case['dtype']}-d{case['head_dim']}-dv{case['value_dim']}-{flags}"
-        f"{'euler' if case['euler'] else 'paper'}-p{case.get('p', DEFAULT_P)}-nq{case['num_queries']}"
+        f"{'euler' if case['euler'] else 'paper'}-p{'+'.join(f'{p:g}' for p in sorted(set(case_p(case))))}"
+        f"-nq{case['num_queries']}"
         f"-nk{case['num_keys']}"
     )
 
 
 def launches(triton_module, case):
     """The (name, Launch) of the three kernels for a case, on CPU tensors shaped as a small real input: three
-    heads sharing the case's p (one launch per kernel)."""
-    batch, heads = 2, 3
+    heads with the case's p (at most two values: one launch per kernel)."""
+    batch, heads = 2, HEADS
     dtype = DTYPES[case["dtype"]]
     nq, nk, d, dv = case["num_queries"], case["num_keys"], case["head_dim"], case["value_dim"]
     query = torch.zeros(batch, heads, nq, d, dtype=dtype)
@@ -60,7 +68,7 @@ def launches(triton_module, case):
     documents = torch.zeros(batch, nk, 3, dtype=torch.int32) if case.get("documents") else None
     grads = [torch.zeros(t.shape) for t in (query, key, value)]
     config = triton_module.launch_config(dtype, d, dv, (case["arch"] // 10, case["arch"] % 10))
-    flags = ((case.get("p", DEFAULT_P),) * heads, case["is_causal"], 1e-6, case["euler"], config)
+    flags = (case_p(case), case["is_causal"], 1e-6, case["euler"], config)
     (fwd,) = triton_module.forward_launches(query, key, value, sq_norms, key_keep, documents, out, stats, stats, *flags)
     dkdv, dq = triton_module.backward_launches(
         query, key, value, sq_norms, key_keep, documents, out, stats, stats, stats, stats, *grads, *flags

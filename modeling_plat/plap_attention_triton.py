@@ -14,8 +14,9 @@ Same maths and backward as ``plap_attention_tiled`` (see its docstring), with ea
 Built against the static cost model of ``benchmarks/gpu_static_cost.py`` (instructions per score of the main
 loop): scores in log2 units (one exp2 each, log2(e) / sqrt(d) folded into the scale); D2 + eps from the
 values' squared norms, computed once per call; P = (D2 + eps) ** ((p - 2) / 2) with the hardware's
-approximate special functions (relative error ~2^-22), p = 1.5 and 2.5 as rsqrt/sqrt chains (one launch per
-run of heads with equal p, the power's class a compile-time constant), any other p as exp2(e * log2(x)); the
+approximate special functions (relative error ~2^-22), p = 1.5 and 2.5 as rsqrt/sqrt chains, any other p as
+exp2(e * log2(x)) (one launch for up to 32 consecutive heads with at most two values of p: each program reads its
+head's p from a bit mask, and the power's class is a compile-time constant of each of the two branches); the
 backward's 1 / (D2 + eps) from the same rsqrt, or exp2(-log2(x)). Each loop runs in two parts: plain tiles,
 whose pairs are all allowed and off the diagonal, with no mask and no self-pair test, then the few masked
 tiles (the diagonal band, the last partial tile, every tile under key padding).
@@ -62,8 +63,8 @@ except ImportError:  # the kernels are then never launched: triton_unsupported_r
     triton = tl = None
     TRITON_VERSION = None
 
-    def jit(fn):
-        return fn
+    def jit(fn=None, **options):
+        return fn if fn is not None else (lambda function: function)
 
     def constexpr(value):  # annotations and constants below; nothing is compiled without Triton
         return value
@@ -250,7 +251,7 @@ def _probe():
 INTERPRETED = triton is not None and not isinstance(_probe, triton.runtime.JITFunction)
 # The interpreter cannot run inline PTX: it takes numpy's logarithm instead of the MUFU one.
 HARDWARE_LOG2 = constexpr(not INTERPRETED)
-# Exponent classes of (D2 + eps) ** ((p - 2) / 2), chosen per run of heads: any p through log2 and exp2, or
+# Exponent classes of (D2 + eps) ** ((p - 2) / 2), one per p of a launch: any p through log2 and exp2, or
 # p = 1.5 and 2.5 (the paper's) as square-root chains, two special-function operations instead of three.
 POWER_ANY, POWER_MINUS_QUARTER, POWER_QUARTER = constexpr(0), constexpr(1), constexpr(2)
 POWER_CLASSES = {1.5: 1, 2.5: 2}  # p -> POWER; any other p: POWER_ANY
@@ -258,14 +259,22 @@ POWER_CLASSES = {1.5: 1, 2.5: 2}  # p -> POWER; any other p: POWER_ANY
 
 @jit
 def _program_ids(num_rows, head_start, run_heads, num_heads, BLOCK: constexpr):
-    """(row block, batch * H + head) of this program, for a run of heads head_start ... + run_heads. The grid
-    is 1-D (CUDA caps axes 1 and 2 at 65535); the row blocks of one head are adjacent, so that they share its
-    keys and values in L2. The slab index is int64, as B * H * N * d may pass 2^31."""
+    """(row block, batch * H + head, head - head_start) of this program, for a run of heads head_start ... +
+    run_heads. The grid is 1-D (CUDA caps axes 1 and 2 at 65535); the row blocks of one head are adjacent, so that
+    they share its keys and values in L2. The slab index is int64, as B * H * N * d may pass 2^31."""
     pid = tl.program_id(0)
     num_blocks = tl.cdiv(num_rows, BLOCK)
     rest = pid // num_blocks
-    head = head_start + rest % run_heads
-    return pid % num_blocks, (rest // run_heads).to(tl.int64) * num_heads + head
+    run_head = rest % run_heads
+    return pid % num_blocks, (rest // run_heads).to(tl.int64) * num_heads + head_start + run_head, run_head
+
+
+@jit
+def _head_exponent(run_head, high_heads, exponent_low, exponent_high):
+    """(whether this program's head takes the launch's second p, its exponent (p - 2) / 2): bit ``run_head`` of
+    ``high_heads`` is set for the heads of the second p."""
+    use_high = ((high_heads >> run_head) & 1) != 0
+    return use_high, tl.where(use_high, exponent_high, exponent_low)
 
 
 @jit
@@ -320,6 +329,19 @@ def _exponent(exponent, POWER: constexpr):
     elif POWER == POWER_QUARTER:
         exponent = 0.25
     return exponent
+
+
+@jit
+def _head_power(dist_eps, exponent, use_high, POWER_LOW: constexpr, POWER_HIGH: constexpr):
+    """``_power`` in this program's head's class: a launch whose two p have two classes compiles both, and each
+    program takes one branch per tile (the same in all its threads)."""
+    if POWER_LOW == POWER_HIGH:
+        power, inv_dist = _power(dist_eps, _exponent(exponent, POWER_LOW), POWER_LOW)
+    elif use_high:
+        power, inv_dist = _power(dist_eps, _exponent(exponent, POWER_HIGH), POWER_HIGH)
+    else:
+        power, inv_dist = _power(dist_eps, _exponent(exponent, POWER_LOW), POWER_LOW)
+    return power, inv_dist
 
 
 @jit
@@ -533,10 +555,10 @@ def _query_loop_bounds(pid_n, num_queries, num_keys, span, BLOCK_M: constexpr, B
 
 @jit
 def _fwd_tile(q, v_query, sq_query_eps, close_bound, row_max, row_sum, off_sum, acc, K, V, SqNorms, key_keep_row,
-              docs, rows, start, num_queries, num_keys, scale_log2, exponent, eps, HEAD_DIM: constexpr,
-              VALUE_DIM: constexpr, BLOCK_D: constexpr, BLOCK_DV: constexpr, BLOCK_N: constexpr, POWER: constexpr,
-              MASKED: constexpr, IS_CAUSAL: constexpr, HAS_KEY_MASK: constexpr, HAS_DOCUMENTS: constexpr,
-              EULER: constexpr):  # fmt: skip
+              docs, rows, start, num_queries, num_keys, scale_log2, exponent, use_high, eps, HEAD_DIM: constexpr,
+              VALUE_DIM: constexpr, BLOCK_D: constexpr, BLOCK_DV: constexpr, BLOCK_N: constexpr,
+              POWER_LOW: constexpr, POWER_HIGH: constexpr, MASKED: constexpr, IS_CAUSAL: constexpr,
+              HAS_KEY_MASK: constexpr, HAS_DOCUMENTS: constexpr, EULER: constexpr):  # fmt: skip
     """One key block of the online softmax; scores in log2 units (log2(e) folded into the scale)."""
     cols = start + tl.arange(0, BLOCK_N)
     k = _load_rows(K, cols, num_keys, HEAD_DIM, BLOCK_D)
@@ -551,7 +573,7 @@ def _fwd_tile(q, v_query, sq_query_eps, close_bound, row_max, row_sum, off_sum, 
     row_sum = row_sum * rescale + tl.sum(expo, 1)
     dist_eps, is_self, _ = _distances(v_query, sq_query_eps, close_bound, values, sq_keys, V, rows, cols, num_keys,
                                       num_keys - num_queries, eps, VALUE_DIM, MASKED, 0)  # fmt: skip
-    weights = expo * _power(dist_eps, _exponent(exponent, POWER), POWER)[0]
+    weights = expo * _head_power(dist_eps, exponent, use_high, POWER_LOW, POWER_HIGH)[0]
     if EULER:
         if MASKED:
             weights = tl.where(is_self, 0.0, weights)
@@ -560,15 +582,17 @@ def _fwd_tile(q, v_query, sq_query_eps, close_bound, row_max, row_sum, off_sum, 
     return new_max, row_sum, off_sum, acc
 
 
-@jit
+@jit(do_not_specialize=["high_heads"])  # a bit mask, not a size: one compilation serves every layout of p
 def _plap_fwd_kernel(
     Q, K, V, SqNorms, KeyKeep, Documents, Out, Lse, OwnWeight,
-    head_start, run_heads, num_heads, num_queries, num_keys, scale_log2, exponent, eps,
+    head_start, run_heads, num_heads, num_queries, num_keys, scale_log2, exponent_low, exponent_high,
+    high_heads, eps,
     HEAD_DIM: constexpr, VALUE_DIM: constexpr, BLOCK_D: constexpr, BLOCK_DV: constexpr, BLOCK_M: constexpr,
-    BLOCK_N: constexpr, POWER: constexpr, IS_CAUSAL: constexpr, HAS_KEY_MASK: constexpr,
+    BLOCK_N: constexpr, POWER_LOW: constexpr, POWER_HIGH: constexpr, IS_CAUSAL: constexpr, HAS_KEY_MASK: constexpr,
     HAS_DOCUMENTS: constexpr, EULER: constexpr,
 ):  # fmt: skip
-    pid_m, slab = _program_ids(num_queries, head_start, run_heads, num_heads, BLOCK_M)
+    pid_m, slab, run_head = _program_ids(num_queries, head_start, run_heads, num_heads, BLOCK_M)
+    use_high, exponent = _head_exponent(run_head, high_heads, exponent_low, exponent_high)
     offset = num_keys - num_queries  # query i is the token at key position offset + i
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_in = rows < num_queries
@@ -593,15 +617,17 @@ def _plap_fwd_kernel(
         row_max, row_sum, off_sum, acc = _fwd_tile(
             q, v_query, sq_query_eps, close_bound, row_max, row_sum, off_sum, acc, K, V, SqNorms, key_keep_row, docs,
             rows,
-            _tile_start(index, plain, BLOCK_N), num_queries, num_keys, scale_log2, exponent, eps, HEAD_DIM,
-            VALUE_DIM, BLOCK_D, BLOCK_DV, BLOCK_N, POWER, False, IS_CAUSAL, HAS_KEY_MASK, HAS_DOCUMENTS, EULER,
+            _tile_start(index, plain, BLOCK_N), num_queries, num_keys, scale_log2, exponent, use_high, eps,
+            HEAD_DIM, VALUE_DIM, BLOCK_D, BLOCK_DV, BLOCK_N, POWER_LOW, POWER_HIGH, False, IS_CAUSAL, HAS_KEY_MASK,
+            HAS_DOCUMENTS, EULER,
         )  # fmt: skip
     for index in range(0, masked[0]):
         row_max, row_sum, off_sum, acc = _fwd_tile(
             q, v_query, sq_query_eps, close_bound, row_max, row_sum, off_sum, acc, K, V, SqNorms, key_keep_row, docs,
             rows,
-            _tile_start(index, masked, BLOCK_N), num_queries, num_keys, scale_log2, exponent, eps, HEAD_DIM,
-            VALUE_DIM, BLOCK_D, BLOCK_DV, BLOCK_N, POWER, True, IS_CAUSAL, HAS_KEY_MASK, HAS_DOCUMENTS, EULER,
+            _tile_start(index, masked, BLOCK_N), num_queries, num_keys, scale_log2, exponent, use_high, eps,
+            HEAD_DIM, VALUE_DIM, BLOCK_D, BLOCK_DV, BLOCK_N, POWER_LOW, POWER_HIGH, True, IS_CAUSAL, HAS_KEY_MASK,
+            HAS_DOCUMENTS, EULER,
         )  # fmt: skip
 
     valid = row_sum > 0  # at least one allowed key; fully masked rows output zeros
@@ -620,9 +646,9 @@ def _plap_fwd_kernel(
 @jit
 def _tile_grads(
     q, k, v_query, values, sq_query_eps, close_bound, sq_keys, grad_out, lse, delta, own_dot, V, rows, cols,
-    key_keep_row, docs, num_queries, num_keys, scale_log2, exponent, eps, VALUE_DIM: constexpr,
-    POWER: constexpr, MASKED: constexpr, IS_CAUSAL: constexpr, HAS_KEY_MASK: constexpr, HAS_DOCUMENTS: constexpr,
-    EULER: constexpr, QUERY_AXIS: constexpr,
+    key_keep_row, docs, num_queries, num_keys, scale_log2, exponent, use_high, eps, VALUE_DIM: constexpr,
+    POWER_LOW: constexpr, POWER_HIGH: constexpr, MASKED: constexpr, IS_CAUSAL: constexpr, HAS_KEY_MASK: constexpr,
+    HAS_DOCUMENTS: constexpr, EULER: constexpr, QUERY_AXIS: constexpr,
 ):  # fmt: skip
     """Recompute one tile: W (W_off for euler), dS and 2 dL/dD2 (0 where D2 + eps is eps: self and coinciding
     pairs, whose exact gradient through D2 is 0 and whose computed one would be rounding)."""
@@ -633,8 +659,7 @@ def _tile_grads(
     dist_eps, is_self, has_close = _distances(v_query, sq_query_eps, close_bound, values, sq_keys, V, rows, cols,
                                               num_keys, num_keys - num_queries, eps, VALUE_DIM, MASKED,
                                               QUERY_AXIS)  # fmt: skip
-    exponent = _exponent(exponent, POWER)
-    power, inv_dist = _power(dist_eps, exponent, POWER)
+    power, inv_dist = _head_power(dist_eps, exponent, use_high, POWER_LOW, POWER_HIGH)
     weights = attn * power
     grad_w = _pair_dot(grad_out, values, QUERY_AXIS)  # G = dU V^T
     if EULER:
@@ -671,9 +696,9 @@ def _query_side(slab, rows, V, SqNorms, GradOut, Lse, Delta, OwnDot, num_queries
 
 @jit
 def _dkdv_tile(grad_k, grad_v, grad_dist_sum, k, values, sq_keys, cols, start, slab, Q, V, SqNorms, GradOut, Lse,
-               Delta, OwnDot, key_keep_row, docs, num_queries, num_keys, scale_log2, exponent, eps,
+               Delta, OwnDot, key_keep_row, docs, num_queries, num_keys, scale_log2, exponent, use_high, eps,
                HEAD_DIM: constexpr, VALUE_DIM: constexpr, BLOCK_D: constexpr, BLOCK_DV: constexpr,
-               BLOCK_M: constexpr, POWER: constexpr, MASKED: constexpr, IS_CAUSAL: constexpr,
+               BLOCK_M: constexpr, POWER_LOW: constexpr, POWER_HIGH: constexpr, MASKED: constexpr, IS_CAUSAL: constexpr,
                HAS_KEY_MASK: constexpr, HAS_DOCUMENTS: constexpr, EULER: constexpr):  # fmt: skip
     rows = start + tl.arange(0, BLOCK_M)
     q = _load_rows(Q + slab * num_queries * HEAD_DIM, rows, num_queries, HEAD_DIM, BLOCK_D)
@@ -683,8 +708,8 @@ def _dkdv_tile(grad_k, grad_v, grad_dist_sum, k, values, sq_keys, cols, start, s
     # (keys, queries) tiles
     weights, grad_scores, grad_dist = _tile_grads(
         q, k, v_query, values, sq_query_eps, close_bound, sq_keys, grad_out, lse, delta, own_dot, V, rows, cols,
-        key_keep_row, docs, num_queries, num_keys, scale_log2, exponent, eps, VALUE_DIM, POWER, MASKED, IS_CAUSAL,
-        HAS_KEY_MASK, HAS_DOCUMENTS, EULER, 1,
+        key_keep_row, docs, num_queries, num_keys, scale_log2, exponent, use_high, eps, VALUE_DIM, POWER_LOW,
+        POWER_HIGH, MASKED, IS_CAUSAL, HAS_KEY_MASK, HAS_DOCUMENTS, EULER, 1,
     )  # fmt: skip
     grad_v += tl.dot(weights.to(grad_out.dtype), grad_out, input_precision=FLOAT32_DOT)
     grad_k += tl.dot(grad_scores.to(q.dtype), q, input_precision=FLOAT32_DOT)
@@ -694,15 +719,17 @@ def _dkdv_tile(grad_k, grad_v, grad_dist_sum, k, values, sq_keys, cols, start, s
     return grad_k, grad_v, grad_dist_sum
 
 
-@jit
+@jit(do_not_specialize=["high_heads"])
 def _plap_bwd_dkdv_kernel(
     Q, K, V, SqNorms, KeyKeep, Documents, GradOut, Lse, Delta, OwnDot, GradK, GradV,
-    head_start, run_heads, num_heads, num_queries, num_keys, scale_log2, exponent, eps,
+    head_start, run_heads, num_heads, num_queries, num_keys, scale_log2, exponent_low, exponent_high,
+    high_heads, eps,
     HEAD_DIM: constexpr, VALUE_DIM: constexpr, BLOCK_D: constexpr, BLOCK_DV: constexpr, BLOCK_M: constexpr,
-    BLOCK_N: constexpr, POWER: constexpr, IS_CAUSAL: constexpr, HAS_KEY_MASK: constexpr,
+    BLOCK_N: constexpr, POWER_LOW: constexpr, POWER_HIGH: constexpr, IS_CAUSAL: constexpr, HAS_KEY_MASK: constexpr,
     HAS_DOCUMENTS: constexpr, EULER: constexpr,
 ):  # fmt: skip
-    pid_n, slab = _program_ids(num_keys, head_start, run_heads, num_heads, BLOCK_N)
+    pid_n, slab, run_head = _program_ids(num_keys, head_start, run_heads, num_heads, BLOCK_N)
+    use_high, exponent = _head_exponent(run_head, high_heads, exponent_low, exponent_high)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     V += slab * num_keys * VALUE_DIM
     SqNorms += slab * num_keys
@@ -721,15 +748,15 @@ def _plap_bwd_dkdv_kernel(
         grad_k, grad_v, grad_dist_sum = _dkdv_tile(
             grad_k, grad_v, grad_dist_sum, k, values, sq_keys, cols, _tile_start(index, plain, BLOCK_M), slab, Q, V,
             SqNorms, GradOut, Lse, Delta, OwnDot, key_keep_row, docs, num_queries, num_keys, scale_log2, exponent,
-            eps, HEAD_DIM, VALUE_DIM, BLOCK_D, BLOCK_DV, BLOCK_M, POWER, False, IS_CAUSAL, HAS_KEY_MASK,
-            HAS_DOCUMENTS, EULER,
+            use_high, eps, HEAD_DIM, VALUE_DIM, BLOCK_D, BLOCK_DV, BLOCK_M, POWER_LOW, POWER_HIGH, False, IS_CAUSAL,
+            HAS_KEY_MASK, HAS_DOCUMENTS, EULER,
         )  # fmt: skip
     for index in range(0, masked[0]):
         grad_k, grad_v, grad_dist_sum = _dkdv_tile(
             grad_k, grad_v, grad_dist_sum, k, values, sq_keys, cols, _tile_start(index, masked, BLOCK_M), slab, Q,
             V, SqNorms, GradOut, Lse, Delta, OwnDot, key_keep_row, docs, num_queries, num_keys, scale_log2, exponent,
-            eps, HEAD_DIM, VALUE_DIM, BLOCK_D, BLOCK_DV, BLOCK_M, POWER, True, IS_CAUSAL, HAS_KEY_MASK,
-            HAS_DOCUMENTS, EULER,
+            use_high, eps, HEAD_DIM, VALUE_DIM, BLOCK_D, BLOCK_DV, BLOCK_M, POWER_LOW, POWER_HIGH, True, IS_CAUSAL,
+            HAS_KEY_MASK, HAS_DOCUMENTS, EULER,
         )  # fmt: skip
 
     grad_v += grad_dist_sum[:, None] * values.to(tl.float32)
@@ -739,9 +766,9 @@ def _plap_bwd_dkdv_kernel(
 
 @jit
 def _dq_tile(grad_q, grad_v_own, grad_dist_sum, q, v_query, sq_query_eps, close_bound, grad_out, lse, delta, own_dot,
-             rows, start, K, V, SqNorms, key_keep_row, docs, num_queries, num_keys, scale_log2, exponent, eps,
+             rows, start, K, V, SqNorms, key_keep_row, docs, num_queries, num_keys, scale_log2, exponent, use_high, eps,
              HEAD_DIM: constexpr, VALUE_DIM: constexpr, BLOCK_D: constexpr, BLOCK_DV: constexpr,
-             BLOCK_N: constexpr, POWER: constexpr, MASKED: constexpr, IS_CAUSAL: constexpr,
+             BLOCK_N: constexpr, POWER_LOW: constexpr, POWER_HIGH: constexpr, MASKED: constexpr, IS_CAUSAL: constexpr,
              HAS_KEY_MASK: constexpr, HAS_DOCUMENTS: constexpr, EULER: constexpr):  # fmt: skip
     cols = start + tl.arange(0, BLOCK_N)
     k = _load_rows(K, cols, num_keys, HEAD_DIM, BLOCK_D)
@@ -749,8 +776,8 @@ def _dq_tile(grad_q, grad_v_own, grad_dist_sum, q, v_query, sq_query_eps, close_
     sq_keys = tl.load(SqNorms + cols, mask=cols < num_keys, other=0.0)
     weights, grad_scores, grad_dist = _tile_grads(
         q, k, v_query, values, sq_query_eps, close_bound, sq_keys, grad_out, lse, delta, own_dot, V, rows, cols,
-        key_keep_row, docs, num_queries, num_keys, scale_log2, exponent, eps, VALUE_DIM, POWER, MASKED, IS_CAUSAL,
-        HAS_KEY_MASK, HAS_DOCUMENTS, EULER, 0,
+        key_keep_row, docs, num_queries, num_keys, scale_log2, exponent, use_high, eps, VALUE_DIM, POWER_LOW,
+        POWER_HIGH, MASKED, IS_CAUSAL, HAS_KEY_MASK, HAS_DOCUMENTS, EULER, 0,
     )  # fmt: skip
     grad_q += tl.dot(grad_scores.to(k.dtype), k, input_precision=FLOAT32_DOT)
     grad_v_own = _exact_dot(-grad_dist, values, grad_v_own)
@@ -758,15 +785,17 @@ def _dq_tile(grad_q, grad_v_own, grad_dist_sum, q, v_query, sq_query_eps, close_
     return grad_q, grad_v_own, grad_dist_sum
 
 
-@jit
+@jit(do_not_specialize=["high_heads"])
 def _plap_bwd_dq_kernel(
     Q, K, V, SqNorms, KeyKeep, Documents, GradOut, Lse, Delta, OwnDot, OwnWeight, GradQ, GradV,
-    head_start, run_heads, num_heads, num_queries, num_keys, scale_log2, exponent, eps,
+    head_start, run_heads, num_heads, num_queries, num_keys, scale_log2, exponent_low, exponent_high,
+    high_heads, eps,
     HEAD_DIM: constexpr, VALUE_DIM: constexpr, BLOCK_D: constexpr, BLOCK_DV: constexpr, BLOCK_M: constexpr,
-    BLOCK_N: constexpr, POWER: constexpr, IS_CAUSAL: constexpr, HAS_KEY_MASK: constexpr,
+    BLOCK_N: constexpr, POWER_LOW: constexpr, POWER_HIGH: constexpr, IS_CAUSAL: constexpr, HAS_KEY_MASK: constexpr,
     HAS_DOCUMENTS: constexpr, EULER: constexpr,
 ):  # fmt: skip
-    pid_m, slab = _program_ids(num_queries, head_start, run_heads, num_heads, BLOCK_M)
+    pid_m, slab, run_head = _program_ids(num_queries, head_start, run_heads, num_heads, BLOCK_M)
+    use_high, exponent = _head_exponent(run_head, high_heads, exponent_low, exponent_high)
     offset = num_keys - num_queries
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     K += slab * num_keys * HEAD_DIM
@@ -789,16 +818,16 @@ def _plap_bwd_dq_kernel(
             grad_q, grad_v_own, grad_dist_sum, q, v_query, sq_query_eps, close_bound, grad_out, lse, delta, own_dot,
             rows,
             _tile_start(index, plain, BLOCK_N), K, V, SqNorms, key_keep_row, docs, num_queries, num_keys, scale_log2,
-            exponent, eps, HEAD_DIM, VALUE_DIM, BLOCK_D, BLOCK_DV, BLOCK_N, POWER, False, IS_CAUSAL, HAS_KEY_MASK,
-            HAS_DOCUMENTS, EULER,
+            exponent, use_high, eps, HEAD_DIM, VALUE_DIM, BLOCK_D, BLOCK_DV, BLOCK_N, POWER_LOW, POWER_HIGH, False,
+            IS_CAUSAL, HAS_KEY_MASK, HAS_DOCUMENTS, EULER,
         )  # fmt: skip
     for index in range(0, masked[0]):
         grad_q, grad_v_own, grad_dist_sum = _dq_tile(
             grad_q, grad_v_own, grad_dist_sum, q, v_query, sq_query_eps, close_bound, grad_out, lse, delta, own_dot,
             rows,
             _tile_start(index, masked, BLOCK_N), K, V, SqNorms, key_keep_row, docs, num_queries, num_keys, scale_log2,
-            exponent, eps, HEAD_DIM, VALUE_DIM, BLOCK_D, BLOCK_DV, BLOCK_N, POWER, True, IS_CAUSAL, HAS_KEY_MASK,
-            HAS_DOCUMENTS, EULER,
+            exponent, use_high, eps, HEAD_DIM, VALUE_DIM, BLOCK_D, BLOCK_DV, BLOCK_N, POWER_LOW, POWER_HIGH, True,
+            IS_CAUSAL, HAS_KEY_MASK, HAS_DOCUMENTS, EULER,
         )  # fmt: skip
 
     _store_rows(GradQ + slab * num_queries * HEAD_DIM, rows, num_queries, grad_q * (scale_log2 * LN_2), HEAD_DIM,
@@ -825,32 +854,44 @@ class Launch(NamedTuple):
     meta: dict
 
 
-def head_runs(p):
-    """(first head, end, p) of each run of consecutive heads with equal p: one launch per run, so that the
-    exponent and its class are per-launch constants."""
-    runs = []
+# Heads of one launch: bit h of an int32 says which of the launch's two p head first + h takes.
+MAX_LAUNCH_HEADS = 32
+
+
+def launch_groups(p):
+    """(first head, end, low p, high p, high_heads) of each launch: consecutive heads with at most two values of p
+    (the paper's mix is one launch), at most MAX_LAUNCH_HEADS of them; bit h of high_heads (a signed int32) is set
+    where head first + h takes the high p. Each p's power class is a compile-time constant of the kernels."""
+    groups = []  # [first, end, {p}]
     for head, value in enumerate(p):
-        if runs and runs[-1][2] == value:
-            runs[-1][1] = head + 1
+        if groups and head - groups[-1][0] < MAX_LAUNCH_HEADS and len(groups[-1][2] | {value}) <= 2:
+            groups[-1][1] = head + 1
+            groups[-1][2].add(value)
         else:
-            runs.append([head, head + 1, value])
-    return [tuple(run) for run in runs]
+            groups.append([head, head + 1, {value}])
+    launches = []
+    for first, end, values in groups:
+        low, high = min(values), max(values)
+        mask = sum(1 << (head - first) for head in range(first, end) if p[head] == high != low)
+        launches.append((first, end, low, high, mask - (1 << 32) if mask >= 1 << 31 else mask))
+    return launches
 
 
 def _launches(kernel, config, rows, query, key, value, tensors, p, is_causal, has_key_mask, has_documents, euler,
               eps):  # fmt: skip
-    """One launch of ``kernel`` per run of heads; ``rows`` is the length of the side its blocks tile."""
+    """One launch of ``kernel`` per group of heads; ``rows`` is the length of the side its blocks tile."""
     batch, heads, num_queries, head_dim = query.shape
     num_keys, value_dim = key.shape[2], value.shape[-1]
     block = config.block_n if kernel is _plap_bwd_dkdv_kernel else config.block_m
     launches = []
-    for first, end, run_p in head_runs(p):
+    for first, end, low, high, high_heads in launch_groups(p):
         meta = dict(HEAD_DIM=head_dim, VALUE_DIM=value_dim, BLOCK_D=padded_head_size(head_dim),
                     BLOCK_DV=padded_head_size(value_dim), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-                    POWER=POWER_CLASSES.get(run_p, 0), IS_CAUSAL=is_causal, HAS_KEY_MASK=has_key_mask,
-                    HAS_DOCUMENTS=has_documents, EULER=euler, num_warps=config.num_warps,
+                    POWER_LOW=POWER_CLASSES.get(low, 0), POWER_HIGH=POWER_CLASSES.get(high, 0), IS_CAUSAL=is_causal,
+                    HAS_KEY_MASK=has_key_mask, HAS_DOCUMENTS=has_documents, EULER=euler, num_warps=config.num_warps,
                     num_stages=config.num_stages)  # fmt: skip
-        sizes = (first, end - first, heads, num_queries, num_keys, LOG2_E / math.sqrt(head_dim), (run_p - 2) / 2, eps)
+        sizes = (first, end - first, heads, num_queries, num_keys, LOG2_E / math.sqrt(head_dim), (low - 2) / 2,
+                 (high - 2) / 2, high_heads, eps)  # fmt: skip
         grid = (triton.cdiv(rows, block) * batch * (end - first),)
         launches.append(Launch(kernel, grid, (*tensors, *sizes), meta))
     return launches

@@ -182,3 +182,32 @@ def test_a_launch_failure_names_the_configuration(monkeypatch):
                  "plap_backend='tiled'"):  # fmt: skip
         assert part in message
     assert isinstance(failure.value.__cause__, OutOfResources)
+
+
+@pytest.mark.parametrize(
+    "p",
+    [(1.5,) * 4 + (2.5,) * 4, (1.5, 2.5, 3.0, 3.0, 1.5), (1.5,) * 20 + (2.5,) * 20, (1.1, 1.5, 2.0, 2.5, 3.0), (2.5,)],
+)
+def test_launch_groups_cover_every_head_once_with_its_p(p):
+    groups = triton_module.launch_groups(p)
+    assert [first for first, *_ in groups] == [0] + [end for _, end, *_ in groups[:-1]] and groups[-1][1] == len(p)
+    for first, end, low, high, high_heads in groups:
+        assert end - first <= triton_module.MAX_LAUNCH_HEADS and -(2**31) <= high_heads < 2**31  # an int32
+        assert [high if (high_heads >> (h - first)) & 1 else low for h in range(first, end)] == list(p[first:end])
+
+
+def test_the_paper_mix_is_one_launch_per_kernel():
+    batch, heads, length, head_dim = 2, 8, 100, 16
+    p = tuple(1.5 if h < heads // 2 else 2.5 for h in range(heads))
+    query = torch.zeros(batch, heads, length, head_dim)
+    stats, sq_norms = torch.zeros(batch, heads, length), torch.zeros(batch, heads, length)
+    flags = (p, True, 1e-6, False, triton_module.INTERPRETER_CONFIG)
+    forward = triton_module.forward_launches(query, query, query, sq_norms, None, None, query, stats, stats, *flags)
+    backward = triton_module.backward_launches(query, query, query, sq_norms, None, None, query, stats, stats, stats,
+                                               stats, query, query, query, *flags)  # fmt: skip
+    assert [launch.kernel.__name__ for launch in forward + backward] == [
+        "_plap_fwd_kernel", "_plap_bwd_dkdv_kernel", "_plap_bwd_dq_kernel"
+    ]  # fmt: skip
+    for launch in forward + backward:
+        assert (launch.meta["POWER_LOW"], launch.meta["POWER_HIGH"]) == (1, 2)  # both square-root chains compiled
+        assert launch.grid == (2 * batch * heads,)  # two 64-row blocks per head, every head
