@@ -160,21 +160,32 @@ class ByteCounter(TorchDispatchMode):
 
 
 def auxiliary_bytes(triton_module, batch, heads, tokens, head_dim, p, dtype=torch.bfloat16):
-    """(forward, backward) bytes moved by the Triton backend's tensor operations besides its kernels, on meta tensors
-    (the kernel launches replaced by no-ops)."""
+    """(forward, backward) bytes moved by the Triton backend's work besides its three attention kernels, on meta
+    tensors: tensor operations, and the auxiliary kernels' tensors (each read or written once); no kernel runs."""
     shape = (batch, heads, tokens, head_dim)
     query, key, value, grad_out = (torch.empty(shape, device="meta", dtype=dtype) for _ in range(4))
     config = triton_module._flat(triton_module.launch_config(dtype, head_dim, head_dim, (9, 0)))
     # The host functions of the custom ops (CALIBRATION_COMMIT's module has only the ops, which hold them).
     fused_forward = getattr(triton_module, "_fused_forward", None) or triton_module._forward_op._init_fn
     fused_backward = getattr(triton_module, "_fused_backward", None) or triton_module._backward_op._init_fn
+    main_kernels = {getattr(triton_module, name) for name in ("_plap_fwd_kernel", "_plap_bwd_dkdv_kernel",
+                                                              "_plap_bwd_dq_kernel")}  # fmt: skip
+    counters = []
+
+    def run(launch, query, value):
+        if launch.kernel not in main_kernels:
+            tensors = {id(t): t for t in launch.args if isinstance(t, torch.Tensor)}.values()
+            counters[-1].bytes += sum(t.numel() * t.element_size() for t in tensors)
+
     original = triton_module._run
-    triton_module._run = lambda launch, query, value: None
+    triton_module._run = run
     try:
         with ByteCounter() as forward:
+            counters.append(forward)
             out, lse, own_weight, sq_norms = fused_forward(query, key, value, None, None, list(p), True, 1e-6, False,
                                                            config)  # fmt: skip
         with ByteCounter() as backward:
+            counters.append(backward)
             fused_backward(grad_out, query, key, value, None, None, out, lse, own_weight, sq_norms, list(p), True,
                            1e-6, False, config)  # fmt: skip
     finally:

@@ -30,7 +30,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-KERNELS = ("fwd", "dkdv", "dq")
+KERNELS = ("fwd", "dkdv", "dq", "row_dots")
 DEFAULT_P = 1.5  # the paper's p < 2; p = 2.5 and any other p compile other powers
 HEADS = 3  # of the small inputs a case is compiled for
 
@@ -53,7 +53,7 @@ def case_id(case):
 
 
 def launches(triton_module, case):
-    """The (name, Launch) of the three kernels for a case, on CPU tensors shaped as a small real input: three
+    """The (name, Launch) of the kernels for a case, on CPU tensors shaped as a small real input: three
     heads with the case's p (at most two values: one launch per kernel)."""
     batch, heads = 2, HEADS
     dtype = DTYPES[case["dtype"]]
@@ -73,7 +73,8 @@ def launches(triton_module, case):
     dkdv, dq = triton_module.backward_launches(
         query, key, value, sq_norms, key_keep, documents, out, stats, stats, stats, stats, *grads, *flags
     )
-    return zip(KERNELS, (fwd, dkdv, dq))
+    row_dots = triton_module.row_dots_launch(value, value, sq_norms)  # the values' squared norms
+    return zip(KERNELS, (fwd, dkdv, dq, row_dots))
 
 
 def _compile(launch, arch):

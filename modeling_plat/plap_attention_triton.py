@@ -10,6 +10,8 @@ Same maths and backward as ``plap_attention_tiled`` (see its docstring), with ea
   and the key-side part of dv.
 - ``_plap_bwd_dq_kernel``: one program per (query block, batch * head); loops over key blocks for dq and
   adds the query-side part of dv (the distance terms of each query's own value) to the rows dkdv wrote.
+- ``_row_dots_kernel``: float32 dot products of rows, one read of the operands: the values' squared norms before
+  the forward, FlashAttention's D = rowsum(dU * U) before the backward.
 
 Built against the static cost model of ``benchmarks/gpu_static_cost.py`` (instructions per score of the main
 loop): scores in log2 units (one exp2 each, log2(e) / sqrt(d) folded into the scale); D2 + eps from the
@@ -844,6 +846,21 @@ def _plap_bwd_dq_kernel(
     tl.store(grad_v_ptrs, tl.load(grad_v_ptrs, mask=vmask, other=0.0) + grad_v_own, mask=vmask)
 
 
+@jit
+def _row_dots_kernel(A, B, Out, num_rows, a_rows, a_offset, b_rows, b_offset, COLS: constexpr,
+                     BLOCK_COLS: constexpr, BLOCK_ROWS: constexpr):  # fmt: skip
+    """Out[s, r] = sum_c A[s, a_offset + r, c] B[s, b_offset + r, c] in float32, for every slab s of contiguous
+    (slabs, a_rows, COLS) and (slabs, b_rows, COLS) tensors and r < num_rows: the squared norms of the values, and
+    the backward's row statistics, each one read of its operands (no float32 copies)."""
+    pid = tl.program_id(0)
+    blocks = tl.cdiv(num_rows, BLOCK_ROWS)
+    slab = (pid // blocks).to(tl.int64)
+    rows = pid % blocks * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    a = _load_rows(A + slab * a_rows * COLS, rows + a_offset, a_rows, COLS, BLOCK_COLS).to(tl.float32)
+    b = _load_rows(B + slab * b_rows * COLS, rows + b_offset, b_rows, COLS, BLOCK_COLS).to(tl.float32)
+    tl.store(Out + slab * num_rows + rows, tl.sum(a * b, 1), mask=rows < num_rows)
+
+
 class Launch(NamedTuple):
     """One kernel launch: ``kernel[grid](*args, **meta)``. Built by the same functions for a real launch
     and for tests that compile the kernels ahead of time."""
@@ -854,6 +871,8 @@ class Launch(NamedTuple):
     meta: dict
 
 
+# Elements of a and b per program of the row-dot kernel (a block of rows).
+ROW_DOT_ELEMENTS = 4096
 # Heads of one launch: bit h of an int32 says which of the launch's two p head first + h takes.
 MAX_LAUNCH_HEADS = 32
 
@@ -900,6 +919,18 @@ def _launches(kernel, config, rows, query, key, value, tensors, p, is_causal, ha
 def _masks(sq_norms, key_keep, documents):
     """The kernels' KeyKeep and Documents arguments; an absent one is a placeholder tensor never read."""
     return tuple(sq_norms if mask is None else mask for mask in (key_keep, documents))
+
+
+def row_dots_launch(a, b, out):
+    """The launch of ``out`` (slabs, N) = the float32 dot products of the last N rows of ``a`` and ``b``, contiguous
+    (..., rows, C) tensors of the same slabs and C (a row block of ROW_DOT_ELEMENTS per program)."""
+    num_rows, cols = out.shape[-1], a.shape[-1]
+    block_cols = padded_head_size(cols)
+    block_rows = max(1, ROW_DOT_ELEMENTS // block_cols)
+    grid = (triton.cdiv(num_rows, block_rows) * out.numel() // max(num_rows, 1),)
+    args = (a, b, out, num_rows, a.shape[-2], a.shape[-2] - num_rows, b.shape[-2], b.shape[-2] - num_rows)
+    meta = dict(COLS=cols, BLOCK_COLS=block_cols, BLOCK_ROWS=block_rows, num_warps=4, num_stages=1)
+    return Launch(_row_dots_kernel, grid, args, meta)
 
 
 def forward_launches(query, key, value, sq_norms, key_keep, documents, out, lse, own_weight, p, is_causal, eps,
@@ -988,8 +1019,8 @@ def _fused_forward(
     out = query.new_empty(batch, heads, num_queries, value.shape[-1])  # (B, H, Nq, dv)
     lse = torch.empty(batch, heads, num_queries, device=query.device, dtype=torch.float32)
     own_weight = torch.empty_like(lse) if euler else lse.new_empty(0)  # written by euler only
-    sq_norms = value.float().square().sum(-1)  # (B, H, Nk)
-    for launch in forward_launches(
+    sq_norms = torch.empty(value.shape[:3], device=value.device, dtype=torch.float32)  # (B, H, Nk)
+    for launch in [row_dots_launch(value, value, sq_norms)] + forward_launches(
         query, key, value, sq_norms, key_keep, documents, out, lse, own_weight if euler else lse, tuple(p),
         is_causal, eps, euler, _unflat(config),
     ):  # fmt: skip
@@ -1025,15 +1056,15 @@ def _fused_backward(
     euler: bool,
     config: list[int],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    num_queries, num_keys = query.shape[2], key.shape[2]
     grad_out = grad_out.contiguous()
-    grad_f32 = grad_out.float()
     # FlashAttention's D = rowsum(dU * U), (B, H, Nq) in float32; euler subtracts the own-value part dU . v_x, which
     # the paper formulation never reads (its kernels get D in its place: no kernels spent on it).
-    delta = (grad_f32 * out).sum(-1)
+    delta = torch.empty(query.shape[:3], device=query.device, dtype=torch.float32)
+    _run(row_dots_launch(grad_out, out, delta), query, value)
     own_dot = delta
     if euler:
-        own_dot = (grad_f32 * value[:, :, num_keys - num_queries :]).sum(-1)
+        own_dot = torch.empty_like(delta)
+        _run(row_dots_launch(grad_out, value, own_dot), query, value)  # value's last Nq rows: the queries' own
         delta = delta - own_dot
     # dq and dk are stored once, cast in the kernels' store; the dq kernel adds to the dv rows of each query's own
     # value after the dkdv kernel wrote them, so dv stays float32 until the end.
