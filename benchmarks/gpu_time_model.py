@@ -243,14 +243,17 @@ def paper_p(heads):
 def calibrate():
     """Fit LATENCY_HIDING and AUXILIARY_BANDWIDTH on the measurements; print predicted against measured."""
     with tempfile.TemporaryDirectory(prefix="gpu-time-model-") as tmp:
-        archive = subprocess.run(["git", "-C", str(ROOT), "archive", CALIBRATION_COMMIT, "modeling_plat"], check=True,
-                                 capture_output=True)  # fmt: skip
+        # That commit's kernels, launched by its own launch builder (its backend's argument dtypes), analysed by this
+        # tool: its files come first on the path.
+        archive = subprocess.run(["git", "-C", str(ROOT), "archive", CALIBRATION_COMMIT, "modeling_plat",
+                                  "benchmarks/triton_aot.py"], check=True, capture_output=True)  # fmt: skip
         subprocess.run(["tar", "-x", "-C", tmp], input=archive.stdout, check=True)
         out = Path(tmp) / "inputs.json"
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-        env.update(PYTHONPATH=os.pathsep.join([tmp, str(ROOT / "benchmarks")]),
+        env.update(PYTHONPATH=os.pathsep.join([str(Path(tmp) / "benchmarks"), tmp, str(ROOT / "benchmarks")]),
                    TRITON_CACHE_DIR=str(Path(tmp) / "cache"))  # fmt: skip
-        subprocess.run([sys.executable, __file__, "--calibration-inputs", str(out)], check=True, env=env, cwd=tmp)
+        subprocess.run([sys.executable, "-m", "gpu_time_model", "--calibration-inputs", str(out)], check=True, env=env,
+                       cwd=tmp)  # fmt: skip
         inputs = json.loads(out.read_text())
     found = {tuple(k[:2]) + (k[2],): v for k, v in inputs["analyses"]}
     shape = CALIBRATION_SHAPE

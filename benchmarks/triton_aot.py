@@ -66,7 +66,7 @@ def launches(triton_module, case):
     sq_norms = torch.zeros(batch, heads, nk)
     key_keep = torch.ones(batch, nk, dtype=torch.int8) if case["key_mask"] else None
     documents = torch.zeros(batch, nk, 3, dtype=torch.int32) if case.get("documents") else None
-    grads = [torch.zeros(t.shape) for t in (query, key, value)]
+    grads = [torch.zeros_like(query), torch.zeros_like(key), torch.zeros(value.shape)]  # as the backend's: dv float32
     config = triton_module.launch_config(dtype, d, dv, (case["arch"] // 10, case["arch"] % 10))
     flags = (case_p(case), case["is_causal"], 1e-6, case["euler"], config)
     (fwd,) = triton_module.forward_launches(query, key, value, sq_norms, key_keep, documents, out, stats, stats, *flags)

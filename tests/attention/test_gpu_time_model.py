@@ -2,6 +2,7 @@
 against what it must equal (no compile: the kernels' analyses are those of gpu_static_cost, tested beside)."""
 
 import importlib.util
+import shutil
 import sys
 from pathlib import Path
 
@@ -73,3 +74,17 @@ def test_auxiliary_bytes_count_the_host_tensor_operations(model):
     # D = rowsum(dU * U) likewise (dU and U read, D written), then dV cast from float32 (4 + 2 bytes per element).
     assert backward == elements * (2 + 2) + rows * 4 + elements * (4 + 2)
 
+
+
+@pytest.mark.slow
+def test_calibration_reproduces_the_fitted_constants(model, capsys):
+    """--calibrate compiles the measured commit's kernels and refits: the module's constants are what it finds, and
+    every fitted kernel time is predicted within 20%."""
+    if shutil.which("git") is None or not (BENCHMARKS.parent / ".git").exists():
+        pytest.skip("needs the repository's history")
+    ready, bandwidth = model.calibrate()  # compiles in a child process, without the interpreter
+    assert round(ready, 3) == model.LATENCY_HIDING
+    assert bandwidth == pytest.approx(model.AUXILIARY_BANDWIDTH, rel=0.01)
+    errors = [float(line.split()[-1].rstrip("%")) for line in capsys.readouterr().out.splitlines()
+              if line.split()[:1] in (["fwd"], ["dkdv"], ["dq"]) and "not fitted" not in line]  # fmt: skip
+    assert len(errors) == 8 and all(abs(error) <= 20 for error in errors), errors
