@@ -7,7 +7,7 @@ greedy decoding with the KV cache (16-token prompt, --new_tokens tokens, batch 1
 models once in alternating order; the printed ratio is the interface's median time over PlatForCausalLM's, beside
 the machine it was measured on.
 
-    python benchmarks/bench_attention_interface.py --repeats 7
+    python benchmarks/bench_attention_interface.py --repeats 9
 """
 
 import argparse

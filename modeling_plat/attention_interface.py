@@ -14,12 +14,12 @@ attributes, saved by ``save_pretrained``; ``attn_implementation`` is saved only 
 "plap"`` is set (``mark_plap``).
 """
 
-import functools
+import copy
 import math
+import weakref
 from types import SimpleNamespace
 
 import torch
-from transformers.integrations.sdpa_attention import repeat_kv
 from transformers.masking_utils import (
     bidirectional_mask_function,
     causal_mask_function,
@@ -59,9 +59,8 @@ def plap_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_fun
                      attention_mask=attention_mask, allow_is_causal_skip=allow_is_causal_skip, **kwargs)  # fmt: skip
 
 
-@functools.cache
 def _layer_p(plap_p, num_layers, num_heads, layer_idx):
-    """p of one layer's heads as a tuple: PlatConfig's reading of ``plap_p`` (and its errors), cached per value."""
+    """p of one layer's heads as a tuple: PlatConfig's reading of ``plap_p`` (and its errors)."""
     if plap_p is None:
         return tuple(paper_p_mix(num_heads))
     table = PlatConfigBase.p_per_layer(
@@ -77,12 +76,16 @@ def _layer_p(plap_p, num_layers, num_heads, layer_idx):
     return tuple(table[layer_idx])
 
 
-def _frozen(value):
-    """``plap_p`` as a hashable key (JSON gives lists)."""
-    return tuple(_frozen(v) for v in value) if isinstance(value, (list, tuple)) else value
+# PlatConfig's field names, and what p-LaT runs when a transformers config lacks them.
+PLAP_FIELDS = {"plap_p": None, "plap_eps": 1e-6, "plap_formulation": "paper", "plap_backend": "auto"}
 
 
-def plap_settings(module, num_heads):
+def _plap_fields(config):
+    """(plap_p, plap_eps, plap_formulation, plap_backend) of a transformers config."""
+    return tuple(getattr(config, name, default) for name, default in PLAP_FIELDS.items())
+
+
+def _read_settings(module, num_heads):
     """(p per head of this layer, eps, formulation, backend) from ``module.config``, PlatConfig's field names."""
     config = module.config
     heads = getattr(config, "num_attention_heads", num_heads)
@@ -91,12 +94,30 @@ def plap_settings(module, num_heads):
             f"config.num_attention_heads is {heads} but {type(module).__name__} computes {num_heads} query heads; "
             "p-LaT gives each query head its own p"
         )
-    # Cached in eager mode; dynamo runs it once while tracing, and would warn about (and ignore) the cache.
-    layer_p = _layer_p.__wrapped__ if torch.compiler.is_compiling() else _layer_p
-    p = layer_p(_frozen(getattr(config, "plap_p", None)), getattr(config, "num_hidden_layers", 1), num_heads,
-                getattr(module, "layer_idx", None))  # fmt: skip
-    return (p, getattr(config, "plap_eps", 1e-6), getattr(config, "plap_formulation", "paper"),
-            getattr(config, "plap_backend", "auto"))  # fmt: skip
+    plap_p, eps, formulation, backend = _plap_fields(config)
+    p = _layer_p(plap_p, getattr(config, "num_hidden_layers", 1), num_heads, getattr(module, "layer_idx", None))
+    return p, eps, formulation, backend
+
+
+# Each attention module's settings, beside a copy of the config fields they were read from. Reading them at every
+# call cost ~9 us a layer (~1 us a config field through transformers' __getattribute__ hooks, then p's table): 1-2% of
+# a decoding step of plat-llama-tiny's sizes on CPU.
+_SETTINGS = weakref.WeakKeyDictionary()
+
+
+def plap_settings(module, num_heads):
+    """``_read_settings``, read again only when a field changes (in place too): a change to the config takes effect
+    at the next call, as it would if every call read it."""
+    if torch.compiler.is_compiling():
+        return _read_settings(module, num_heads)  # dynamo runs it once while tracing, and guards on what it reads
+    # PlatConfig's names are plain instance attributes (set by hand or from config.json), never aliased by
+    # attribute_map: one dict lookup each.
+    fields = vars(module.config)
+    key = (num_heads, *(fields.get(name, default) for name, default in PLAP_FIELDS.items()))
+    known = _SETTINGS.get(module)
+    if known is None or known[0] != key:
+        known = _SETTINGS[module] = (copy.deepcopy(key), _read_settings(module, num_heads))
+    return known[1]
 
 
 def plap_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
@@ -120,7 +141,8 @@ def plap_attention_forward(module, query, key, value, attention_mask, dropout=0.
         )
     is_causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     num_queries, num_keys = query.shape[-2], key.shape[-2]
-    if getattr(module, "is_cross_attention", False) or (not is_causal and num_queries != num_keys):
+    # Models that mark cross-attention set it on the instance: a getattr that misses costs ~1 us (nn.Module's hook).
+    if vars(module).get("is_cross_attention", False) or (not is_causal and num_queries != num_keys):
         raise ValueError(
             f"{name} attends from {num_queries} queries to {num_keys} other tokens (cross-attention): p-LaT weighs "
             "each key by its value's distance to the query's own value, which these queries do not have"
@@ -130,7 +152,10 @@ def plap_attention_forward(module, query, key, value, attention_mask, dropout=0.
     if scaling is not None and not math.isclose(scaling * math.sqrt(head_dim), 1.0, rel_tol=1e-12):
         query = query * (scaling * math.sqrt(head_dim))  # plap_attention scales by 1 / sqrt(d)
     repeats = query.shape[1] // key.shape[1]
-    key, value = repeat_kv(key, repeats), repeat_kv(value, repeats)  # (B, H, Nk, d)
+    if repeats > 1:
+        # Key/value head j serves query heads j * repeats to (j + 1) * repeats - 1, as in transformers' repeat_kv,
+        # in one call: ~2 us less per tensor than its expand and reshape, a decoding step's cost at small sizes.
+        key, value = key.repeat_interleave(repeats, dim=1), value.repeat_interleave(repeats, dim=1)  # (B, H, Nk, d)
     # A mask with one row per query carries the causal pattern itself (plap_mask); a key-padding one does not.
     full_mask = attention_mask is not None and attention_mask.shape[-2] != 1
     options = dict(p=p, attn_mask=attention_mask, is_causal=is_causal and not full_mask, eps=eps,
@@ -148,15 +173,15 @@ def plap_attention_forward(module, query, key, value, attention_mask, dropout=0.
 def check_plap_config(config):
     """Raise the ValueError that a forward with attn_implementation="plap" would raise for ``config``'s p-LaT fields."""
     layers, heads = getattr(config, "num_hidden_layers", 1), config.num_attention_heads
+    plap_p, eps, formulation, backend = _plap_fields(config)
     for layer in range(layers):
-        _layer_p(_frozen(getattr(config, "plap_p", None)), layers, heads, layer)
-    eps = getattr(config, "plap_eps", 1e-6)
+        _layer_p(plap_p, layers, heads, layer)
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps <= 0:
         raise ValueError(f"plap_eps must be a finite number > 0; got {eps!r}")
-    fields = (("plap_formulation", "paper", tuple(FORMULATIONS)), ("plap_backend", "auto", BACKENDS))
-    for name, default, allowed in fields:
-        if getattr(config, name, default) not in allowed:
-            raise ValueError(f"{name} must be one of {allowed}; got {getattr(config, name)!r}")
+    for name, value, allowed in (("plap_formulation", formulation, tuple(FORMULATIONS)),
+                                 ("plap_backend", backend, BACKENDS)):  # fmt: skip
+        if value not in allowed:
+            raise ValueError(f"{name} must be one of {allowed}; got {value!r}")
 
 
 def mark_plap(config):

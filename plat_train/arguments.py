@@ -39,8 +39,9 @@ class ModelArguments:
     attn_implementation: str | None = field(
         default=None,
         metadata={"help": "'plap': keep --model_name_or_path's own transformers model (any family: Llama 3, Qwen3, "
-                          "Gemma, Phi-3, ...) and run p-LaT in its attention layers, p from --config_overrides "
-                          "(plap_p, plap_eps, plap_formulation), instead of converting it to PlatForCausalLM.",
+                          "Gemma, Phi-3, ViT, DeiT, ...) and run p-LaT in its attention layers, p from "
+                          "--config_overrides (plap_p, plap_eps, plap_formulation), instead of converting it to "
+                          "PlatForCausalLM or PlatForImageClassification.",
                   "choices": ["plap"]},
     )
     cache_dir: str | None = field(default=None, metadata={"help": "Where to cache Hub models and datasets."})

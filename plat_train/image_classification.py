@@ -11,6 +11,8 @@ docs/image_classification.md for the paper's ImageNet commands.
     python run_image_classification.py plat-fmnist-tiny.yaml     # a shipped recipe
     python run_image_classification.py --model_name_or_path facebook/deit-tiny-patch16-224 \
         --config_overrides "plap_p=[1.5,1.5,2.5]" --dataset_name imagenet-1k ...   # DeiT converted to p-LaT
+    python run_image_classification.py --model_name_or_path facebook/deit-tiny-patch16-224 \
+        --attn_implementation plap ...   # DeiT kept as transformers' class, p-LaT in its attention layers
 
 Runs under `python`, `torchrun` and `accelerate launch`.
 """
@@ -24,13 +26,12 @@ import torch
 from transformers import AutoImageProcessor, HfArgumentParser, ViTImageProcessorPil, set_seed
 
 from modeling_plat import PlatImageProcessor
-from modeling_plat.convert import convertible
 
 from . import vision_data
 from .arguments import ModelArguments, PlatTrainingArguments, parse_args
 from .ema import ModelEmaCallback
 from .model_cards import FASHION_MNIST_DATASET
-from .model_setup import build_config, load_model, saved_config
+from .model_setup import build_config, converted_on_load, load_model, saved_config
 from .presets import image_processor_preset
 from .runs import (
     check_launch,
@@ -48,6 +49,8 @@ from .vision_metrics import accuracy_metrics, top_k_indices
 logger = logging.getLogger(__name__)
 DEFAULT_PRESET = "plat-fmnist-tiny"
 IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
+# transformers' distilled DeiT classifier, which it cannot train: a run would fail at its first evaluation.
+DISTILLED_DEIT = "DeiTForImageClassificationWithTeacher"
 
 
 @dataclass
@@ -126,9 +129,21 @@ def load_raw_datasets(data_args, model_args, seed):
     return vision_data.with_validation_split(raw, data_args.train_val_split, seed)
 
 
+def refuse_untrainable(model_args, saved):
+    """Stop before the data load on a saved model (``saved`` is its config) that the job could not train."""
+    if saved is not None and DISTILLED_DEIT in (saved.architectures or ()):
+        raise ValueError(
+            f"{model_args.model_name_or_path} is a distilled DeiT ({DISTILLED_DEIT}), which transformers runs for "
+            "inference only (no loss; its output holds each head's logits beside their mean): fine-tune its trunk as "
+            "a DeiTForImageClassification instead, saved with DeiTForImageClassification.from_pretrained(path)"
+            ".save_pretrained(folder), then --model_name_or_path folder --attn_implementation plap"
+        )
+
+
 def build_model(model_args, saved, labels):
     """The classifier to train, its labels set: a saved p-LaT or stock ViT / DeiT to fine-tune (``saved`` is its
-    config; converted), or a new one from a preset or config (default: the Fashion-MNIST preset)."""
+    config; converted, or kept in its transformers class with ``--attn_implementation plap``), or a new one from a
+    preset or config (default: the Fashion-MNIST preset)."""
     id2label = dict(enumerate(labels))
     fields = {"num_labels": len(labels), "id2label": id2label, "label2id": {name: i for i, name in id2label.items()}}
     load_kwargs = {}
@@ -140,7 +155,7 @@ def build_model(model_args, saved, labels):
                 f"{len(labels)}; pass --ignore_mismatched_sizes to replace its classifier with a new one"
             )
         load_kwargs = {"ignore_mismatched_sizes": model_args.ignore_mismatched_sizes}
-        if convertible(saved):  # a stock model: transformers resizes its head before the conversion
+        if converted_on_load(model_args, saved):  # transformers resizes its head before the conversion
             load_kwargs.update(fields)
     default = None if model_args.model_name_or_path else DEFAULT_PRESET
     config = build_config(model_args, "image-classification", saved, default_config_name=default, **fields)
@@ -250,6 +265,8 @@ def main(args=None):
     setup_logging(training_args)
     last_checkpoint = detect_last_checkpoint(training_args)
     set_seed(training_args.seed)
+    saved = saved_config(model_args)
+    refuse_untrainable(model_args, saved)
 
     # Data
     with training_args.main_process_first(desc="loading data"):
@@ -259,7 +276,6 @@ def main(args=None):
     )
 
     # Model and image processor
-    saved = saved_config(model_args)
     labels = vision_data.label_names(raw["train"])
     model = build_model(model_args, saved, labels)
     image_processor = build_image_processor(model_args, aug_args, model.config)

@@ -19,7 +19,7 @@ from transformers import (
 )
 
 from modeling_plat import PlatConfig, PlatConfigBase, PlatVisionConfig
-from modeling_plat.attention_interface import ATTN_IMPLEMENTATION, check_plap_config, mark_plap
+from modeling_plat.attention_interface import ATTN_IMPLEMENTATION, PLAP_FIELDS, check_plap_config, mark_plap
 from modeling_plat.convert import convert_to_plat, convertible, plat_config_for
 
 from .presets import resolve_config_name
@@ -136,16 +136,18 @@ def _interface_config(model_args, saved, overrides, fields):
     return mark_plap(config)
 
 
-# PlatConfig's p-LaT fields, which attn_implementation="plap" reads from any model's config.
-PLAP_FIELDS = ("plap_p", "plap_eps", "plap_formulation", "plap_backend")
-
-
 def _refuse_unknown(overrides, config, allowed=()):
     # Properties such as attention_bias (transformers' name for two of our fields) are settable but not saved.
     unknown = sorted(name for name in overrides if name not in allowed and name not in config.to_dict()
                      and not isinstance(getattr(type(config), name, None), property))
     if unknown:
         raise ValueError(f"--config_overrides names fields that {type(config).__name__} does not have: {unknown}")
+
+
+def converted_on_load(model_args, saved):
+    """Whether ``load_model`` converts ``--model_name_or_path`` (``saved`` is its config) to p-LaT: a stock checkpoint
+    without ``--attn_implementation plap``, which keeps transformers' own model class."""
+    return model_args.attn_implementation is None and convertible(saved)
 
 
 def load_model(model_args, config, task, saved=None, **load_kwargs):
@@ -165,7 +167,7 @@ def load_model(model_args, config, task, saved=None, **load_kwargs):
     hub_kwargs = model_args.hub_kwargs()
     if model_args.dtype is not None:
         hub_kwargs["dtype"] = model_args.dtype
-    if attention or not convertible(saved or saved_config(model_args)):
+    if not converted_on_load(model_args, saved or saved_config(model_args)):
         return auto_class.from_pretrained(model_args.model_name_or_path, config=config, **hub_kwargs, **attention,
                                           **load_kwargs)  # fmt: skip
     source = auto_class.from_pretrained(model_args.model_name_or_path, **hub_kwargs, **load_kwargs)

@@ -13,6 +13,9 @@ from transformers import (
     AutoModelForCausalLM,
     BartConfig,
     BartModel,
+    DeiTConfig,
+    DeiTForImageClassification,
+    DeiTForImageClassificationWithTeacher,
     Gemma2Config,
     Gemma2ForCausalLM,
     Gemma3ForCausalLM,
@@ -163,6 +166,22 @@ def test_save_and_reload(tmp_path):
             torch.testing.assert_close(reloaded(input_ids).logits, expected)
 
 
+def test_config_changes_take_effect_at_the_next_call():
+    """Each layer keeps its settings between calls, and reads them again when a field changes, in place too."""
+    model = family("llama3", "plap", plap_p=[2.0] * 4)
+    input_ids, _ = batch()
+    with torch.no_grad():
+        softmax = model(input_ids).logits
+        model.config.plap_p[0] = 1.5
+        torch.testing.assert_close(model(input_ids).logits,
+                                   family("llama3", "plap", plap_p=[1.5, 2.0, 2.0, 2.0])(input_ids).logits)
+        model.config.plap_formulation = "euler"
+        torch.testing.assert_close(model(input_ids).logits, family(
+            "llama3", "plap", plap_p=[1.5, 2.0, 2.0, 2.0], plap_formulation="euler")(input_ids).logits)
+        model.config.plap_p = 2.0
+        torch.testing.assert_close(model(input_ids).logits, softmax)
+
+
 def test_trains():
     model = family("llama3", "plap").train()
     input_ids, attention_mask = batch()
@@ -192,6 +211,24 @@ def test_vit_matches_eager_and_platforimageclassification():
             reference = expected if plap_p == 2.0 else convert_to_plat(eager, plap_p=plap_p)(pixels).logits
             torch.testing.assert_close(plap.eval()(pixels).logits, reference, atol=1e-5, rtol=1e-4)
     assert isinstance(convert_to_plat(eager), PlatForImageClassification)
+
+
+@pytest.mark.parametrize("model_class", [DeiTForImageClassification, DeiTForImageClassificationWithTeacher])
+def test_deit_matches_eager_at_p2(model_class):
+    """DeiT's own classes (the distilled one's extra token too) at p = 2 are DeiT; the paper's mix changes them."""
+    config = DeiTConfig(num_hidden_layers=2, hidden_size=24, num_attention_heads=3, intermediate_size=48,
+                        image_size=16, patch_size=4, num_labels=5)
+    torch.manual_seed(0)
+    eager = model_class._from_config(copy.deepcopy(config), attn_implementation="eager").to(DEVICE).eval()
+    plap = model_class._from_config(copy.deepcopy(config), attn_implementation="plap").to(DEVICE).eval()
+    plap.load_state_dict(eager.state_dict())
+    pixels = torch.randn(2, 3, 16, 16, device=DEVICE)
+    with torch.no_grad():
+        expected = eager(pixels).logits
+        mix = plap(pixels).logits
+        plap.config.plap_p = 2.0
+        torch.testing.assert_close(plap(pixels).logits, expected, atol=1e-5, rtol=1e-4)
+    assert (mix - expected).abs().max() > 1e-3
 
 
 def test_gemma2_softcapping_is_refused_by_name():
