@@ -164,9 +164,14 @@ def model_card(config, task, model_id, metrics=None, dataset=None, command=None,
     return ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n\n".join(sections) + "\n")
 
 
-def plap_interface_section(config, model_id):
+# The Auto class that loads a model of each task.
+AUTO_CLASSES = {"text-generation": "AutoModelForCausalLM", "image-classification": "AutoModelForImageClassification"}
+
+
+def plap_interface_section(config, model_id, task):
     """The model card section of a transformers model that runs p-LaT through attn_implementation="plap"."""
     p = getattr(config, "plap_p", None)
+    auto_class = AUTO_CLASSES[task]
     return (
         "## p-LaT attention\n\n"
         f"This {type(config).__name__.removesuffix('Config')} model runs p-Laplacian attention (p-LaT, "
@@ -177,7 +182,7 @@ def plap_interface_section(config, model_id):
         "with transformers: load it after importing it (without it, transformers refuses the checkpoint rather "
         "than run softmax attention).\n\n"
         "```python\nimport modeling_plat  # pip install plat-transformers\nfrom transformers import "
-        f"AutoModelForCausalLM\n\nmodel = AutoModelForCausalLM.from_pretrained(\"{model_id}\", "
+        f"{auto_class}\n\nmodel = {auto_class}.from_pretrained(\"{model_id}\", "
         "attn_implementation=\"plap\")\n```\n"
     )
 

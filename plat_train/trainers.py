@@ -31,12 +31,13 @@ class PlatModelCardMixin:
 
     def create_model_card(self, dataset=None, finetuned_from=None, license=None, **kwargs):
         model = self.accelerator.unwrap_model(self.model)
+        task = "text-generation" if isinstance(model, GenerationMixin) else "image-classification"
         if not isinstance(model.config, PlatConfigBase):
             super().create_model_card(dataset=dataset, finetuned_from=finetuned_from, license=license, **kwargs)
             card = Path(self.args.output_dir) / "README.md"
             if model.config._attn_implementation == ATTN_IMPLEMENTATION and self.is_world_process_zero():
                 model_id = self.hub_model_id if self.args.push_to_hub else str(Path(self.args.output_dir).resolve())
-                card.write_text(card.read_text() + "\n" + plap_interface_section(model.config, model_id))
+                card.write_text(card.read_text() + "\n" + plap_interface_section(model.config, model_id, task))
             return None
         if not self.is_world_process_zero():
             return None
@@ -44,7 +45,6 @@ class PlatModelCardMixin:
         metrics = json.loads(results.read_text()) if results.exists() else None
         # A local folder means nothing on the Hub: only hub ids become base_model.
         base_model = finetuned_from if finetuned_from and not Path(finetuned_from).exists() else None
-        task = "text-generation" if isinstance(model, GenerationMixin) else "image-classification"
         model_id = self.hub_model_id if self.args.push_to_hub else None
         extra = {"license": license} if license else {}
         return write_model_card(self.args.output_dir, model.config, task, model_id=model_id, metrics=metrics,

@@ -64,6 +64,7 @@ def test_paper_mix_fine_tunes_and_reloads(qwen3_folder, text_files, tmp_path):
     assert math.isfinite(json.loads((tmp_path / "all_results.json").read_text())["eval_perplexity"])
     card = (tmp_path / "README.md").read_text()
     assert 'attn_implementation="plap"' in card and "import modeling_plat" in card
+    assert "AutoModelForCausalLM.from_pretrained(" in card
     # It keeps training after the reload, as p-LaT.
     ids = torch.randint(0, 20, (2, BLOCK), device=DEVICE)
     losses = train_losses(reloaded, 3, 1e-2, input_ids=ids, labels=ids)
