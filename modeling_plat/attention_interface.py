@@ -120,6 +120,16 @@ def plap_settings(module, num_heads):
     return known[1]
 
 
+def _is_cross_attention(module, is_causal):
+    """Whether transformers built ``module`` to attend to another sequence, also where the lengths are equal: its own
+    flag (GPT-2), its class (BERT's family: ``*CrossAttention``), or a decoder's attention that is not causal (BART's
+    family, whose self- and cross-attention share one class). Instance attributes are read from ``vars``: a getattr
+    that misses costs ~1 us (nn.Module's hook)."""
+    fields = vars(module)
+    return (fields.get("is_cross_attention", False) or type(module).__name__.endswith("CrossAttention")
+            or (fields.get("is_decoder", False) and not is_causal))  # fmt: skip
+
+
 def plap_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
                            **kwargs):  # fmt: skip
     """transformers' attention-function contract: query (B, H, Nq, d), key and value (B, H_kv, Nk, d), a boolean mask
@@ -141,8 +151,7 @@ def plap_attention_forward(module, query, key, value, attention_mask, dropout=0.
         )
     is_causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     num_queries, num_keys = query.shape[-2], key.shape[-2]
-    # Models that mark cross-attention set it on the instance: a getattr that misses costs ~1 us (nn.Module's hook).
-    if vars(module).get("is_cross_attention", False) or (not is_causal and num_queries != num_keys):
+    if _is_cross_attention(module, is_causal) or (not is_causal and num_queries != num_keys):
         raise ValueError(
             f"{name} attends from {num_queries} queries to {num_keys} other tokens (cross-attention): p-LaT weighs "
             "each key by its value's distance to the query's own value, which these queries do not have"

@@ -13,6 +13,8 @@ from transformers import (
     AutoModelForCausalLM,
     BartConfig,
     BartModel,
+    BertGenerationConfig,
+    BertGenerationDecoder,
     DeiTConfig,
     DeiTForImageClassification,
     DeiTForImageClassificationWithTeacher,
@@ -249,8 +251,21 @@ def test_cross_attention_is_refused():
                         decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=32)
     model = BartModel._from_config(config, attn_implementation="plap").to(DEVICE).eval()
     ids = torch.randint(3, 61, (1, 8), device=DEVICE)
-    with pytest.raises(ValueError, match="cross-attention"):
-        model(input_ids=ids, decoder_input_ids=ids[:, :5])
+    for decoder_ids in (ids[:, :5], ids):  # the same length too: the decoder's non-causal attention is the cross one
+        with pytest.raises(ValueError, match="cross-attention"):
+            model(input_ids=ids, decoder_input_ids=decoder_ids)
+
+
+def test_cross_attention_classes_are_refused_at_equal_lengths():
+    """BERT's family builds cross-attention as its own class (a decoder attending to encoder states of its length)."""
+    config = BertGenerationConfig(vocab_size=61, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                  intermediate_size=32, max_position_embeddings=32, is_decoder=True,
+                                  add_cross_attention=True)  # fmt: skip
+    model = BertGenerationDecoder._from_config(config, attn_implementation="plap").to(DEVICE).eval()
+    ids = torch.randint(3, 61, (1, 8), device=DEVICE)
+    with pytest.raises(ValueError, match="CrossAttention .*cross-attention"):
+        model(input_ids=ids, encoder_hidden_states=torch.randn(1, 8, 16, device=DEVICE))
+    model(input_ids=ids)  # its causal self-attention alone runs
 
 
 def test_static_cache_is_refused():
