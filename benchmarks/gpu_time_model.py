@@ -255,14 +255,13 @@ def calibrate():
         subprocess.run([sys.executable, "-m", "gpu_time_model", "--calibration-inputs", str(out)], check=True, env=env,
                        cwd=tmp)  # fmt: skip
         inputs = json.loads(out.read_text())
-    found = {tuple(k[:2]) + (k[2],): v for k, v in inputs["analyses"]}
+    found = {tuple(k): v for k, v in inputs["analyses"]}
     shape = CALIBRATION_SHAPE
-    slabs = shape["batch"] * shape["heads"]
 
     def predicted_us(point, ready):
-        return 1e6 * sum(kernel_seconds(found[point["kernel"], point["head_dim"], value], point["kernel"],
-                                        slabs * share, shape["tokens"], True, ready)  # fmt: skip
-                         for value, share in _p_shares(list(point["p"])).items())
+        kernels = predict(found, (0, 0), shape["batch"], shape["heads"], shape["tokens"], point["head_dim"],
+                          list(point["p"]), ready)[2]  # fmt: skip
+        return 1e6 * kernels[point["kernel"]]
 
     fitted = [point for point in MEASURED_KERNEL_US if not point.get("memory_bound")]
     candidates = [step / 1000 for step in range(20, 600)]
