@@ -38,6 +38,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import gpu_static_cost
+from modeling_plat import paper_p_mix
 
 ROOT = Path(__file__).resolve().parents[1]
 # Per-SM residency limits (CUDA C++ Programming Guide, "Technical Specifications per Compute Capability"; 1 KB of
@@ -231,13 +232,9 @@ def calibration_inputs(json_path):
 
     found = analyses((64, 128), PAPER_MIX)
     shapes = [call["shape"] for call in MEASURED_CALLS_MS]
-    aux = {str(shape): auxiliary_bytes(triton_module, *shape, paper_p(shape[1])) for shape in shapes}
+    aux = {str(shape): auxiliary_bytes(triton_module, *shape, paper_p_mix(shape[1])) for shape in shapes}
     Path(json_path).write_text(json.dumps(dict(analyses=[[list(k), v] for k, v in found.items()], aux=aux)))
 
-
-def paper_p(heads):
-    """The paper's mix over ``heads`` heads: the first half p = 1.5, the rest 2.5."""
-    return [PAPER_MIX[h * len(PAPER_MIX) // heads] for h in range(heads)]
 
 
 def calibrate():
@@ -285,7 +282,7 @@ def calibrate():
     print("whole calls, paper mix (kernels + auxiliary operations; launches and host work not modelled):")
     for call in MEASURED_CALLS_MS:
         shape = call["shape"]
-        predicted = predict(found, inputs["aux"][str(shape)], *shape, paper_p(shape[1]), ready, bandwidth)[:2]
+        predicted = predict(found, inputs["aux"][str(shape)], *shape, paper_p_mix(shape[1]), ready, bandwidth)[:2]
         errors = [predicted[i] * 1e3 / call["ms"][i] - 1 for i in (0, 1)]
         print(f"  {str(shape):<20} forward {predicted[0] * 1e3:.3f} ms against {call['ms'][0]} ({errors[0]:+.0%}), "
               f"forward + backward {predicted[1] * 1e3:.3f} ms against {call['ms'][1]} ({errors[1]:+.0%})")
@@ -309,7 +306,7 @@ def report_targets():
     rows = []
     for target in TARGETS:
         batch, heads, tokens, head_dim = target["shape"]
-        p = paper_p(heads)
+        p = paper_p_mix(heads)
         aux = auxiliary_bytes(triton_module, batch, heads, tokens, head_dim, p)
         forward, both, kernels = predict(found, aux, batch, heads, tokens, head_dim, p)
         ratios = (forward * 1e3 / target["sdpa_ms"][0], both * 1e3 / target["sdpa_ms"][1])
