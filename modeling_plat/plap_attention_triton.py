@@ -26,9 +26,10 @@ tiles (the diagonal band, the last partial tile, every tile under key padding).
 P and every accumulation are float32. Matmuls of half-precision operands take them as they are (exact
 products). No matmul with a float32 operand runs in plain TF32, whose inputs keep 10 mantissa bits: for
 float32 inputs every matmul is tf32x3 (``FLOAT32_DOT``), v_x.v_y of D2 included; for half inputs the float32
-operand is the distance gradient Gd of Gd V and Gd^T V_q (``_exact_dot``). Gd grows like 1 / (D2 + eps) and
-its exact row and column sums cancel against those matmuls, so that a TF32 rounding of Gd (2^-11) would make
-dV of coinciding values mostly noise. Masks: causal (bottom-right aligned) and key padding (a boolean mask
+operand is the distance gradient Gd of Gd V and Gd^T V_q (``_exact_dot``: three bfloat16 parts against bfloat16
+values, two TF32 parts against float16 ones). Gd grows like 1 / (D2 + eps) and its exact row and column sums
+cancel against those matmuls, so that a TF32 rounding of Gd (2^-11) would make dV of coinciding values mostly
+noise. Masks: causal (bottom-right aligned) and key padding (a boolean mask
 broadcastable to (B, 1, 1, Nk)); ``plap_attention`` routes other masks to the tiled backend. Packed rows
 (``document_ids``, Nq == Nk) are varlen: each fixed block's loop visits only the span of positions its
 documents cover, and a plain tile compares document ids only when its tokens are not all of one document
@@ -84,6 +85,8 @@ MAX_OFFSET = 2**31 - 1
 FLOAT32_DOT = constexpr("tf32x3")
 # Keeps the sign, the exponent and the 10 mantissa bits of TF32 of a float32.
 TF32_MASK = constexpr(0xFFFFE000)
+# Keeps the sign, the exponent and the 7 mantissa bits of a bfloat16.
+BFLOAT16_MASK = constexpr(0xFFFF0000)
 # The kernels multiply the weights A * P, cast to the inputs' dtype, with the values in half-precision matmuls.
 # For p <= 3, P = (|v_x - v_y|^2 + eps)^((p - 2) / 2) is at most about the value distance itself; for larger p
 # it can pass float16's largest value (65,504) with ordinary activations (at p = 4, distances above 256).
@@ -347,14 +350,30 @@ def _head_power(dist_eps, exponent, use_high, POWER_LOW: constexpr, POWER_HIGH: 
 
 
 @jit
+def _split_high(x, MASK: constexpr):
+    """x with the low mantissa bits that MASK clears set to zero (exact in the narrower type that keeps the rest)."""
+    return (x.to(tl.uint32, bitcast=True) & MASK).to(tl.float32, bitcast=True)
+
+
+@jit
 def _exact_dot(a, b, acc):
-    """acc + a @ b to float32 accuracy for a float32 ``a`` (a distance gradient). A half-precision ``b`` is
-    exact in TF32, so ``a`` alone is split into its TF32 part and the rest: two TF32 matmuls, not tf32x3's three."""
+    """acc + a @ b to float32 accuracy for a float32 ``a`` (a distance gradient) and half-precision ``b``, whose
+    products are exact: ``a`` alone is split. Against bfloat16, into three bfloat16 parts (8 significant bits each,
+    24 in all, float32's): 16-bit operands keep the accumulator's register layout, so that no part is shuffled to
+    another, and a bfloat16 matmul costs half a TF32 one. Against float16, whose range cannot hold ``a``, into TF32
+    parts: two TF32 matmuls, not tf32x3's three."""
     if b.dtype == tl.float32:
         acc = tl.dot(a, b, acc, input_precision=FLOAT32_DOT)
+    elif b.dtype == tl.bfloat16:
+        a_high = _split_high(a, BFLOAT16_MASK)
+        rest = a - a_high
+        a_mid = _split_high(rest, BFLOAT16_MASK)
+        acc = tl.dot((rest - a_mid).to(tl.bfloat16), b, acc)  # the smallest part first
+        acc = tl.dot(a_mid.to(tl.bfloat16), b, acc)
+        acc = tl.dot(a_high.to(tl.bfloat16), b, acc)
     else:
         b = b.to(tl.float32)
-        a_high = (a.to(tl.uint32, bitcast=True) & TF32_MASK).to(tl.float32, bitcast=True)
+        a_high = _split_high(a, TF32_MASK)
         acc = tl.dot(a_high, b, acc, input_precision="tf32")
         acc = tl.dot(a - a_high, b, acc, input_precision="tf32")
     return acc
@@ -652,8 +671,9 @@ def _tile_grads(
     POWER_LOW: constexpr, POWER_HIGH: constexpr, MASKED: constexpr, IS_CAUSAL: constexpr, HAS_KEY_MASK: constexpr,
     HAS_DOCUMENTS: constexpr, EULER: constexpr, QUERY_AXIS: constexpr,
 ):  # fmt: skip
-    """Recompute one tile: W (W_off for euler), dS and 2 dL/dD2 (0 where D2 + eps is eps: self and coinciding
-    pairs, whose exact gradient through D2 is 0 and whose computed one would be rounding)."""
+    """Recompute one tile: W (W_off for euler), dS and -2 dL/dD2 (0 where D2 + eps is eps: self and coinciding
+    pairs, whose exact gradient through D2 is 0 and whose computed one would be rounding). The sign joins the
+    constant 2 (p - 2) / 2, so that the distance matmuls take it without a negation per score."""
     scores = _masked_scores(_pair_dot(q, k, QUERY_AXIS) * scale_log2, rows, cols, num_queries, num_keys,
                             key_keep_row, docs, MASKED, IS_CAUSAL, HAS_KEY_MASK, HAS_DOCUMENTS,
                             QUERY_AXIS)  # fmt: skip
@@ -670,7 +690,7 @@ def _tile_grads(
         grad_w -= _per_query(own_dot, QUERY_AXIS)  # dW = G - dU.v_x
     weighted = weights * grad_w
     grad_scores = weighted - attn * _per_query(delta, QUERY_AXIS)
-    grad_dist = (2 * exponent) * weighted * inv_dist
+    grad_dist = (-2 * exponent) * weighted * inv_dist
     if MASKED:  # self pairs
         grad_dist = tl.where(dist_eps == eps, 0.0, grad_dist)
     else:
@@ -715,9 +735,10 @@ def _dkdv_tile(grad_k, grad_v, grad_dist_sum, k, values, sq_keys, cols, start, s
     )  # fmt: skip
     grad_v += tl.dot(weights.to(grad_out.dtype), grad_out, input_precision=FLOAT32_DOT)
     grad_k += tl.dot(grad_scores.to(q.dtype), q, input_precision=FLOAT32_DOT)
-    # Key side of the distances: dv_y += 2 sum_x dL/dD2 (v_y - v_x); the v_y term after the loop.
+    # Key side of the distances: dv_y += 2 sum_x dL/dD2 (v_y - v_x) (grad_dist is -2 dL/dD2); the v_y term after the
+    # loop.
     grad_dist_sum += tl.sum(grad_dist, 1)
-    grad_v = _exact_dot(-grad_dist, v_query, grad_v)
+    grad_v = _exact_dot(grad_dist, v_query, grad_v)
     return grad_k, grad_v, grad_dist_sum
 
 
@@ -761,7 +782,7 @@ def _plap_bwd_dkdv_kernel(
             HAS_KEY_MASK, HAS_DOCUMENTS, EULER,
         )  # fmt: skip
 
-    grad_v += grad_dist_sum[:, None] * values.to(tl.float32)
+    grad_v -= grad_dist_sum[:, None] * values.to(tl.float32)
     _store_rows(GradK + slab * num_keys * HEAD_DIM, cols, num_keys, grad_k * (scale_log2 * LN_2), HEAD_DIM, BLOCK_D)
     _store_rows(GradV + slab * num_keys * VALUE_DIM, cols, num_keys, grad_v, VALUE_DIM, BLOCK_DV)
 
@@ -782,7 +803,7 @@ def _dq_tile(grad_q, grad_v_own, grad_dist_sum, q, v_query, sq_query_eps, close_
         POWER_HIGH, MASKED, IS_CAUSAL, HAS_KEY_MASK, HAS_DOCUMENTS, EULER, 0,
     )  # fmt: skip
     grad_q += tl.dot(grad_scores.to(k.dtype), k, input_precision=FLOAT32_DOT)
-    grad_v_own = _exact_dot(-grad_dist, values, grad_v_own)
+    grad_v_own = _exact_dot(grad_dist, values, grad_v_own)
     grad_dist_sum += tl.sum(grad_dist, 1)
     return grad_q, grad_v_own, grad_dist_sum
 
@@ -835,7 +856,7 @@ def _plap_bwd_dq_kernel(
     _store_rows(GradQ + slab * num_queries * HEAD_DIM, rows, num_queries, grad_q * (scale_log2 * LN_2), HEAD_DIM,
                 BLOCK_D)  # fmt: skip
     # dv_x += 2 sum_y dL/dD2 (v_x - v_y), plus for euler the direct dU_x (1 - rowsum W_off).
-    grad_v_own += grad_dist_sum[:, None] * v_query.to(tl.float32)
+    grad_v_own -= grad_dist_sum[:, None] * v_query.to(tl.float32)
     row_in = rows < num_queries
     if EULER:
         own_weight = tl.load(OwnWeight + slab * num_queries + rows, mask=row_in, other=0.0)

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(triton_module.triton is None, reason="triton is 
 # mix), with a quarter of headroom: a change that makes a kernel much slower on a GPU fails here. (The per-tile test
 # for close pairs of values took them from 18.6, 41.8 and 36.2 to 22.3, 52.2 and 44.0; one comparison per plain tile
 # and the scale folded into the forward's exp2 brought them here.)
-MEASURED_INSTRUCTIONS = {"fwd": 19.3, "dkdv": 51.1, "dq": 44.4, "baseline": 8.8}
+MEASURED_INSTRUCTIONS = {"fwd": 19.3, "dkdv": 46.0, "dq": 38.6, "baseline": 8.8}
 
 LISTING = """
         /*0000*/                   MOV R1, c[0x0][0x28] ;
