@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from modeling_plat import plap_attention_triton as triton_module
 
@@ -75,16 +76,42 @@ def test_auxiliary_bytes_count_the_host_tensor_operations(model):
     assert backward == elements * (2 + 2) + rows * 4 + elements * (4 + 2)
 
 
+def test_live_bytes_follow_storages_until_their_last_tensor_goes(model):
+    existing = torch.ones(1024)
+    with model.LiveBytes(existing=[existing]) as live:
+        view = existing[:10] * 1  # a new 40-byte storage; the view of the existing one is not counted
+        first = torch.ones(256)  # 1 KiB
+        second = first * 2
+        alias = second.view(16, 16)  # the same storage
+        del first, second
+        third = alias + 1  # the first storage is gone, the second lives on in its view
+        assert live.level == 40 + 2 * 1024
+        del view, alias, third
+    assert live.peak == 40 + 2 * 1024 and live.level == 0
+
+
+def test_peak_bytes_are_what_the_backend_holds(model):
+    """The forward's output and row statistics (lse, squared norms), then the backward's D, dq, dk, dv in float32 and
+    dv's cast, all live at the end: 12 bytes per bf16 element and 12 per row."""
+    batch, heads, tokens, head_dim = 2, 4, 128, 64
+    elements = batch * heads * tokens * head_dim
+    rows = elements // head_dim
+    peak = model.peak_bytes(triton_module, batch, heads, tokens, head_dim, [1.5, 1.5, 2.5, 2.5])
+    assert peak == elements * (2 + 2 + 2 + 4 + 2) + rows * (4 + 4 + 4)
+
 
 @pytest.mark.slow
 def test_calibration_reproduces_the_fitted_constants(model, capsys):
-    """--calibrate compiles the measured commit's kernels and refits: the module's constants are what it finds, and
-    every fitted kernel time is predicted within 20%."""
+    """--calibrate compiles the measured commit's kernels and refits: the module's constants are what it finds,
+    every fitted kernel time is predicted within 20%, and that commit's peak memory within 2%."""
     if shutil.which("git") is None or not (BENCHMARKS.parent / ".git").exists():
         pytest.skip("needs the repository's history")
     ready, bandwidth = model.calibrate()  # compiles in a child process, without the interpreter
     assert round(ready, 3) == model.LATENCY_HIDING
     assert bandwidth == pytest.approx(model.AUXILIARY_BANDWIDTH, rel=0.01)
-    errors = [float(line.split()[-1].rstrip("%")) for line in capsys.readouterr().out.splitlines()
+    out = capsys.readouterr().out
+    errors = [float(line.split()[-1].rstrip("%")) for line in out.splitlines()
               if line.split()[:1] in (["fwd"], ["dkdv"], ["dq"]) and "not fitted" not in line]  # fmt: skip
     assert len(errors) == 8 and all(abs(error) <= 20 for error in errors), errors
+    peaks = [float(line.split()[-1].strip("()%+")) for line in out.splitlines() if "MiB against" in line]
+    assert len(peaks) == len(model.MEASURED_PEAK_MIB) and all(abs(error) <= 2 for error in peaks), peaks
