@@ -263,15 +263,21 @@ POWER_CLASSES = {1.5: 1, 2.5: 2}  # p -> POWER; any other p: POWER_ANY
 
 
 @jit
-def _program_ids(num_rows, head_start, run_heads, num_heads, BLOCK: constexpr):
+def _program_ids(num_rows, head_start, run_heads, num_heads, BLOCK: constexpr, HEAVY_LAST: constexpr):
     """(row block, batch * H + head, head - head_start) of this program, for a run of heads head_start ... +
-    run_heads. The grid is 1-D (CUDA caps axes 1 and 2 at 65535); the row blocks of one head are adjacent, so that
-    they share its keys and values in L2. The slab index is int64, as B * H * N * d may pass 2^31."""
+    run_heads. The grid is 1-D (CUDA caps axes 1 and 2 at 65535) and starts the longest loops first: a GPU starts
+    programs in grid order, so that the short ones fill the last wave. The slabs (batch, head) vary fastest, and the row
+    blocks go from the heaviest to the lightest: the last first where the loops grow with the block (HEAVY_LAST: query
+    blocks under causal masking), else the first. The slab index is int64, as B * H * N * d may pass 2^31."""
     pid = tl.program_id(0)
     num_blocks = tl.cdiv(num_rows, BLOCK)
-    rest = pid // num_blocks
-    run_head = rest % run_heads
-    return pid % num_blocks, (rest // run_heads).to(tl.int64) * num_heads + head_start + run_head, run_head
+    slabs = tl.num_programs(0) // num_blocks
+    block = pid // slabs
+    if HEAVY_LAST:
+        block = num_blocks - 1 - block
+    slab = pid % slabs
+    run_head = slab % run_heads
+    return block, (slab // run_heads).to(tl.int64) * num_heads + head_start + run_head, run_head
 
 
 @jit
@@ -612,7 +618,7 @@ def _plap_fwd_kernel(
     BLOCK_N: constexpr, POWER_LOW: constexpr, POWER_HIGH: constexpr, IS_CAUSAL: constexpr, HAS_KEY_MASK: constexpr,
     HAS_DOCUMENTS: constexpr, EULER: constexpr,
 ):  # fmt: skip
-    pid_m, slab, run_head = _program_ids(num_queries, head_start, run_heads, num_heads, BLOCK_M)
+    pid_m, slab, run_head = _program_ids(num_queries, head_start, run_heads, num_heads, BLOCK_M, IS_CAUSAL)
     use_high, exponent = _head_exponent(run_head, high_heads, exponent_low, exponent_high)
     offset = num_keys - num_queries  # query i is the token at key position offset + i
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -751,7 +757,7 @@ def _plap_bwd_dkdv_kernel(
     BLOCK_N: constexpr, POWER_LOW: constexpr, POWER_HIGH: constexpr, IS_CAUSAL: constexpr, HAS_KEY_MASK: constexpr,
     HAS_DOCUMENTS: constexpr, EULER: constexpr,
 ):  # fmt: skip
-    pid_n, slab, run_head = _program_ids(num_keys, head_start, run_heads, num_heads, BLOCK_N)
+    pid_n, slab, run_head = _program_ids(num_keys, head_start, run_heads, num_heads, BLOCK_N, False)
     use_high, exponent = _head_exponent(run_head, high_heads, exponent_low, exponent_high)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     V += slab * num_keys * VALUE_DIM
@@ -817,7 +823,7 @@ def _plap_bwd_dq_kernel(
     BLOCK_N: constexpr, POWER_LOW: constexpr, POWER_HIGH: constexpr, IS_CAUSAL: constexpr, HAS_KEY_MASK: constexpr,
     HAS_DOCUMENTS: constexpr, EULER: constexpr,
 ):  # fmt: skip
-    pid_m, slab, run_head = _program_ids(num_queries, head_start, run_heads, num_heads, BLOCK_M)
+    pid_m, slab, run_head = _program_ids(num_queries, head_start, run_heads, num_heads, BLOCK_M, IS_CAUSAL)
     use_high, exponent = _head_exponent(run_head, high_heads, exponent_low, exponent_high)
     offset = num_keys - num_queries
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
