@@ -14,21 +14,26 @@ schedulers issue in about a third of their clocks (IPC 1.49 of 4). This model ad
 - clocks per score = the slowest of: the loop's instructions at that issue rate, and the special-function, FP32 and
   tensor pipes at their full rates (floors that no latency hiding lowers; taking all of them at the reduced rate fit
   the measurements worse, -15% to +35%);
-- time of a kernel = scores it visits (its tiles, the diagonal's waste included) x clocks per score / (SMs x clock);
+- time of a launch: each program (row block) takes the scores its loop visits (the diagonal's waste included) x clocks
+  per score x the blocks sharing its SM; the programs start in grid order as resident places free, as a GPU hands out
+  blocks, and the launch ends with its last program. Under causal masking the loops' lengths differ, so that the order
+  decides the tail: the kernels of the calibration commit ran each slab's row blocks from the shortest (16% above the
+  average per SM at 4k tokens), today's run the longest first (1%);
 - auxiliary tensor operations (norms, reductions, casts) = the bytes they read and write, counted by running the
-  backend's host code on meta tensors, at the effective bandwidth the same profile showed.
+  backend's host code on meta tensors, at the effective bandwidth the same profile showed;
 - peak memory of a forward + backward: the storages that the backend's host code allocates on CPU tensors (launches
   left out), live while a tensor holds them, as ``torch.cuda.max_memory_allocated`` counts them on a GPU. Nothing is
   fitted: for the kernels of the calibration commit it gives 194 MiB where the H200 measured 195.
 
-What it cannot see: memory stalls (dQ at head size 128 ran at 75% of the memory throughput), tails of the grid, L2
-misses, launch latency. Every calibration point ran at the same occupancy (one block of 8 warps per SM), so the
+What it cannot see: memory stalls (dQ at head size 128 ran at 75% of the memory throughput), spills, L2 misses, launch
+latency and host work. Every calibration point ran at the same occupancy (one block of 8 warps per SM), so the
 fitted chance says how busy such a kernel is, and the curve beyond 2 warps per scheduler is the model's assumption,
 not a measurement: treat predictions for other occupancies as estimates until a GPU measures them.
 """
 
 import argparse
 import contextlib
+import heapq
 import json
 import math
 import os
@@ -56,7 +61,7 @@ REGISTER_UNIT = 256  # registers are allocated per warp in multiples of this
 # H100 / H200 SXM: 132 SMs at 1.98 GHz boost; the calibration's fitted constants absorb the clock's real value.
 GPU = dict(arch=90, sms=132, clock_hz=1.98e9)
 # The chance that a resident warp can issue in a given clock; refit by --calibrate (figures below).
-LATENCY_HIDING = 0.132
+LATENCY_HIDING = 0.163
 # Effective bandwidth of the auxiliary tensor operations (bytes per second), refit by --calibrate.
 AUXILIARY_BANDWIDTH = 2.41e12
 
@@ -114,21 +119,46 @@ def issue_fraction(warps_per_scheduler, ready=None):
     return 1 - (1 - ready) ** warps_per_scheduler
 
 
-def visited_scores(kernel, config, tokens, is_causal):
-    """Scores a kernel's tiles cover in one (batch, head) of N = ``tokens`` queries and keys, as its loops visit them:
-    the forward and dQ tile each query block's keys up to its last query, dK/dV each key block's queries from its
-    first key."""
+def block_scores(kernel, config, tokens, is_causal):
+    """Scores that the loop of each row block of one (batch, head) visits, N = ``tokens`` queries and keys: the forward
+    and dQ tile each query block's keys up to its last query, dK/dV each key block's queries from its first key."""
     block_m, block_n = config["block_m"], config["block_n"]
     if not is_causal:
-        return math.ceil(tokens / block_m) * block_m * math.ceil(tokens / block_n) * block_n
+        return [math.ceil(tokens / block_n) * block_n * block_m] * math.ceil(tokens / block_m) if kernel != "dkdv" \
+            else [math.ceil(tokens / block_m) * block_m * block_n] * math.ceil(tokens / block_n)
     if kernel == "dkdv":
-        total = 0
-        for start in range(0, tokens, block_n):
-            first = start // block_m * block_m
-            total += math.ceil((tokens - first) / block_m) * block_m * block_n
-        return total
-    return sum(math.ceil(min(tokens, start + block_m) / block_n) * block_n * block_m
-               for start in range(0, tokens, block_m))  # fmt: skip
+        return [math.ceil((tokens - start // block_m * block_m) / block_m) * block_m * block_n
+                for start in range(0, tokens, block_n)]  # fmt: skip
+    return [math.ceil(min(tokens, start + block_m) / block_n) * block_n * block_m for start in range(0, tokens, block_m)]
+
+
+def visited_scores(kernel, config, tokens, is_causal):
+    """Scores a kernel's tiles cover in one (batch, head), the diagonal's waste included."""
+    return sum(block_scores(kernel, config, tokens, is_causal))
+
+
+# The order in which a launch's grid runs its programs: "slab major" (each slab's row blocks in turn, the first block
+# first: the kernels of CALIBRATION_COMMIT) or "heavy first" (the slabs fastest, the row blocks from the longest loop
+# to the shortest: today's ``_program_ids``).
+GRID_ORDERS = ("slab major", "heavy first")
+
+
+def program_order(kernel, num_blocks, slabs, is_causal, order):
+    """(row block, slab) of each program of a launch, in grid order."""
+    if order == "slab major":
+        return [(block, slab) for slab in range(slabs) for block in range(num_blocks)]
+    heavy_last = is_causal and kernel != "dkdv"  # causal query blocks: the last sees the most keys
+    blocks = range(num_blocks - 1, -1, -1) if heavy_last else range(num_blocks)
+    return [(block, slab) for block in blocks for slab in range(slabs)]
+
+
+def busiest_slot(seconds, slots):
+    """The finishing time of a launch whose programs take ``seconds`` each, started in that order on ``slots`` resident
+    places as each frees (how a GPU hands out a grid's blocks)."""
+    finish = [0.0] * slots
+    for duration in seconds:
+        heapq.heapreplace(finish, finish[0] + duration)
+    return max(finish)
 
 
 def clocks_per_score(analysis, ready=None):
@@ -139,10 +169,17 @@ def clocks_per_score(analysis, ready=None):
                analysis["tensor"])  # fmt: skip
 
 
-def kernel_seconds(analysis, kernel, heads, tokens, is_causal, ready=None):
-    """Predicted time of one launch of ``kernel`` over ``heads`` (batch x heads) slabs."""
-    scores = heads * visited_scores(kernel, analysis["config"], tokens, is_causal)
-    return scores * clocks_per_score(analysis, ready) / (GPU["sms"] * GPU["clock_hz"])
+def launch_seconds(slab_analyses, kernel, tokens, is_causal, order, ready=None):
+    """Predicted time of one launch of ``kernel`` whose slabs (batch x heads, in grid order) have these analyses (one
+    per slab: each head's p compiles its own power): every program at its SM's rate shared by the blocks resident
+    there, started in grid order, the launch done when its last program is (the grid's tail included)."""
+    first = slab_analyses[0]
+    blocks, _ = residency(first["registers"], first["config"]["num_warps"], first["shared"])
+    scores = block_scores(kernel, first["config"], tokens, is_causal)
+    slab_clocks = [clocks_per_score(analysis, ready) * blocks for analysis in slab_analyses]
+    programs = program_order(kernel, len(scores), len(slab_analyses), is_causal, order)
+    seconds = [scores[block] * slab_clocks[slab] / GPU["clock_hz"] for block, slab in programs]
+    return busiest_slot(seconds, GPU["sms"] * blocks)
 
 
 class ByteCounter(TorchDispatchMode):
@@ -288,21 +325,27 @@ def analyses(head_dims, p_values):
     return result
 
 
-def predict(found, aux, batch, heads, tokens, head_dim, p, ready=None, bandwidth=None):
-    """Predicted (forward, forward + backward) seconds and each kernel's: the heads of each p at that p's cost (the
-    launches' count and tails are not modelled)."""
+# How each version launches a causal call of the paper mix: CALIBRATION_COMMIT one launch per value of p, its slabs
+# slab major; today one launch for both, heaviest programs first.
+CALIBRATION_GRID = dict(launch_per_p=True, order="slab major")
+CURRENT_GRID = dict(launch_per_p=False, order="heavy first")
+
+
+def predict(found, aux, batch, heads, tokens, head_dim, p, ready=None, bandwidth=None, grid=None):
+    """Predicted (forward, forward + backward) seconds and each kernel's, causal: each head at its p's cost, each launch
+    with its tail (launch latency and host work not modelled)."""
     bandwidth = AUXILIARY_BANDWIDTH if bandwidth is None else bandwidth
+    grid = CURRENT_GRID if grid is None else grid
+    groups = [[value for value in p if value == chosen] for chosen in sorted(set(p))] if grid["launch_per_p"] else [p]
     kernels = {}
     for kernel in ("fwd", "dkdv", "dq"):
-        kernels[kernel] = sum(kernel_seconds(found[kernel, head_dim, value], kernel, batch * heads * share, tokens,
-                                             True, ready)  # fmt: skip
-                              for value, share in _p_shares(p).items())
+        kernels[kernel] = sum(
+            launch_seconds([found[kernel, head_dim, value] for _ in range(batch) for value in group], kernel, tokens,
+                           True, grid["order"], ready)
+            for group in groups
+        )  # fmt: skip
     forward = kernels["fwd"] + aux[0] / bandwidth
     return forward, forward + kernels["dkdv"] + kernels["dq"] + aux[1] / bandwidth, kernels
-
-
-def _p_shares(p):
-    return {value: p.count(value) / len(p) for value in sorted(set(p))}
 
 
 def calibration_inputs(json_path):
@@ -338,8 +381,10 @@ def calibrate():
     shape = CALIBRATION_SHAPE
 
     def predicted_us(point, ready):
-        kernels = predict(found, (0, 0), shape["batch"], shape["heads"], shape["tokens"], point["head_dim"],
-                          list(point["p"]), ready)[2]  # fmt: skip
+        heads = shape["heads"]
+        p = [point["p"][0]] * heads if len(point["p"]) == 1 else paper_p_mix(heads)  # one p, or the paper's mix
+        kernels = predict(found, (0, 0), shape["batch"], heads, shape["tokens"], point["head_dim"], p, ready,
+                          grid=CALIBRATION_GRID)[2]  # fmt: skip
         return 1e6 * kernels[point["kernel"]]
 
     fitted = [point for point in MEASURED_KERNEL_US if not point.get("memory_bound")]
@@ -364,7 +409,8 @@ def calibrate():
     print("whole calls, paper mix (kernels + auxiliary operations; launches and host work not modelled):")
     for call in MEASURED_CALLS_MS:
         shape = call["shape"]
-        predicted = predict(found, inputs["aux"][str(shape)], *shape, paper_p_mix(shape[1]), ready, bandwidth)[:2]
+        predicted = predict(found, inputs["aux"][str(shape)], *shape, paper_p_mix(shape[1]), ready, bandwidth,
+                            CALIBRATION_GRID)[:2]  # fmt: skip
         errors = [predicted[i] * 1e3 / call["ms"][i] - 1 for i in (0, 1)]
         print(f"  {str(shape):<20} forward {predicted[0] * 1e3:.3f} ms against {call['ms'][0]} ({errors[0]:+.0%}), "
               f"forward + backward {predicted[1] * 1e3:.3f} ms against {call['ms'][1]} ({errors[1]:+.0%})")
