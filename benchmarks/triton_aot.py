@@ -1,6 +1,6 @@
 """Compile the fused Triton kernels ahead of time for NVIDIA GPUs, on a machine without one.
 
-Each case is one input configuration (architecture, dtype, head sizes, mask and formulation flags). Its three
+Each case is one input configuration (architecture, dtype, head sizes, mask and formulation flags). Its
 kernels are built with the launch functions of ``plap_attention_triton`` on small CPU tensors, so that the
 arguments, their specialisation (alignment, strides of 1) and the launch configuration are those of a real
 launch, and compiled by ``triton.compile`` for ``GPUTarget("cuda", arch, 32)``: Triton's own front end, the
@@ -30,7 +30,14 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-KERNELS = ("fwd", "dkdv", "dq", "row_dots")
+# Each attention kernel's first pass (the distances' expansion alone), and its exact pass (close pairs by direct
+# differences) as <name>_exact.
+KERNELS = ("fwd", "fwd_exact", "dkdv", "dkdv_exact", "dq", "dq_exact", "row_dots")
+
+
+def case_kernels(case):
+    """The kernels compiled for a case: ``kernels`` if it names some, else all."""
+    return tuple(case.get("kernels", KERNELS))
 DEFAULT_P = 1.5  # the paper's p < 2; p = 2.5 and any other p compile other powers
 HEADS = 3  # of the small inputs a case is compiled for
 
@@ -69,12 +76,14 @@ def launches(triton_module, case):
     grads = [torch.zeros_like(query), torch.zeros_like(key), torch.zeros(value.shape)]  # as the backend's: dv float32
     config = triton_module.launch_config(dtype, d, dv, (case["arch"] // 10, case["arch"] % 10))
     flags = (case_p(case), case["is_causal"], 1e-6, case["euler"], config)
-    (fwd,) = triton_module.forward_launches(query, key, value, sq_norms, key_keep, documents, out, stats, stats, *flags)
-    dkdv, dq = triton_module.backward_launches(
-        query, key, value, sq_norms, key_keep, documents, out, stats, stats, stats, stats, *grads, *flags
-    )
+    counts = triton_module.exact_block_counts(query, key, config)
+    forward = triton_module.forward_launches(query, key, value, sq_norms, key_keep, documents, out, stats, stats,
+                                             torch.zeros(counts[0], dtype=torch.int32), *flags)  # fmt: skip
+    backward = triton_module.backward_launches(query, key, value, sq_norms, key_keep, documents, out, stats, stats,
+                                               stats, stats, *grads, torch.zeros(sum(counts[1:]), dtype=torch.int32),
+                                               *flags)  # fmt: skip
     row_dots = triton_module.row_dots_launch(value, value, sq_norms)  # the values' squared norms
-    return zip(KERNELS, (fwd, dkdv, dq, row_dots))
+    return zip(KERNELS, (*forward, *backward, row_dots))
 
 
 def _compile(launch, arch):
@@ -118,6 +127,8 @@ def compile_case(triton_module, case):
     """One result dict per kernel of the case."""
     results = []
     for name, launch in launches(triton_module, case):
+        if name not in case_kernels(case):
+            continue
         result = dict(case=case_id(case), kernel=name, arch=case["arch"], meta=launch.meta)
         start = time.perf_counter()
         try:

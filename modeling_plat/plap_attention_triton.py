@@ -10,6 +10,9 @@ Same maths and backward as ``plap_attention_tiled`` (see its docstring), with ea
   and the key-side part of dv.
 - ``_plap_bwd_dq_kernel``: one program per (query block, batch * head); loops over key blocks for dq and
   adds the query-side part of dv (the distance terms of each query's own value) to the rows dkdv wrote.
+- Each of the three runs twice over its grid (``EXACT``): a first pass with the distances' expansion alone, where a
+  block that meets a close pair (below) stores only a flag, then an exact pass that redoes the flagged blocks. The
+  close pairs' direct differences take code and registers that would cut the blocks per SM to one.
 - ``_row_dots_kernel``: float32 dot products of rows, one read of the operands: the values' squared norms before
   the forward, FlashAttention's D = rowsum(dU * U) before the backward.
 
@@ -107,6 +110,9 @@ class KernelConfig(NamedTuple):
     block_n: int  # key columns per tile
     num_warps: int
     num_stages: int
+    # ptxas's register cap per thread (0: its own choice), so that more blocks fit an SM: for first passes without key
+    # padding or packed documents (whose branches, like the exact passes, hold more and would spill in the loop).
+    max_registers: int = 0
 
 
 class LaunchConfig(NamedTuple):
@@ -121,7 +127,7 @@ class LaunchConfig(NamedTuple):
 
 
 def _config(fwd, dkdv, dq):
-    """A LaunchConfig from (block_m, block_n, num_warps, num_stages) per kernel."""
+    """A LaunchConfig from (block_m, block_n, num_warps, num_stages[, max_registers]) per kernel."""
     return LaunchConfig(KernelConfig(*fwd), KernelConfig(*dkdv), KernelConfig(*dq))
 
 
@@ -138,8 +144,8 @@ CONFIGS = {
     (9, "half"): {
         16: _config((128, 64, 8, 2), (32, 128, 8, 2), (128, 32, 8, 2)),
         32: _config((128, 64, 8, 2), (32, 128, 8, 2), (128, 32, 8, 2)),
-        64: _config((128, 64, 8, 2), (32, 128, 8, 2), (128, 32, 8, 2)),
-        128: _config((128, 32, 8, 2), (16, 128, 8, 2), (128, 16, 8, 2)),
+        64: _config((64, 32, 4, 2, 128), (32, 64, 4, 2, 168), (64, 16, 4, 2, 128)),
+        128: _config((64, 32, 4, 2, 168), (16, 64, 4, 2), (64, 16, 4, 2)),
     },
     (8, "float32"): {
         16: _config((128, 16, 8, 2), (16, 128, 8, 2), (128, 16, 8, 2)),
@@ -469,7 +475,7 @@ def _close_bound(sq_query_eps, eps):
 
 @jit
 def _distances(v_query, sq_query_eps, close_bound, values, sq_keys, V, rows, cols, num_keys, offset, eps,
-               VALUE_DIM: constexpr, MASKED: constexpr, QUERY_AXIS: constexpr):  # fmt: skip
+               VALUE_DIM: constexpr, MASKED: constexpr, QUERY_AXIS: constexpr, EXACT: constexpr):  # fmt: skip
     """D2 + eps from the squared norms (eps already in the query's), the self-pair tile (None-free: all false where
     the loop split excludes self pairs, MASKED false), and whether the tile has close pairs.
 
@@ -477,7 +483,8 @@ def _distances(v_query, sq_query_eps, close_bound, values, sq_keys, V, rows, col
     close pairs (CLOSE_PAIR) recomputes all its pairs by direct differences, one value coordinate at a time from
     memory (no second tile and no mask stay live across that loop), and sets its coinciding pairs (COINCIDING) to
     exactly eps. Self pairs are exactly eps without it, and pairs outside the inputs are masked: in the masked tiles
-    (the diagonal band, the partial ones) neither makes the tile recompute. Elsewhere the expansion is positive."""
+    (the diagonal band, the partial ones) neither makes the tile recompute. Elsewhere the expansion is positive.
+    Without EXACT the tile keeps the expansion and only reports its close pairs (each kernel's first pass)."""
     cross = _pair_dot(v_query, values, QUERY_AXIS)
     dist_eps = _per_query(sq_query_eps, QUERY_AXIS) + _per_key(sq_keys, QUERY_AXIS) - 2 * cross
     is_self = _per_key(cols, QUERY_AXIS) == _per_query(rows, QUERY_AXIS) + offset
@@ -489,7 +496,7 @@ def _distances(v_query, sq_query_eps, close_bound, values, sq_keys, V, rows, col
         # One comparison per tile, not per pair: the tile's nearest pair against its queries' largest bound (a
         # wider net than the pairs' own bounds, which only sends more tiles to the exact branch).
         has_close = tl.min(dist_eps) <= close_bound
-    if has_close:
+    if EXACT and has_close:
         query_in, key_in = rows < num_keys - offset, cols < num_keys
         dist_eps = tl.zeros_like(dist_eps)
         for dim in range(VALUE_DIM):
@@ -581,12 +588,35 @@ def _query_loop_bounds(pid_n, num_queries, num_keys, span, BLOCK_M: constexpr, B
 
 
 @jit
+def _pass_tiles(exact_block, plain, masked, EXACT: constexpr):
+    """The tile counts of a program's two loops in this pass: the exact pass runs only the blocks the first flagged."""
+    num_plain, num_masked = plain[0], masked[0]
+    if EXACT:
+        redo = tl.load(exact_block) != 0
+        num_plain, num_masked = tl.where(redo, num_plain, 0), tl.where(redo, num_masked, 0)
+    return num_plain, num_masked
+
+
+@jit
+def _pass_rows(exact_block, has_close, num_rows, EXACT: constexpr):
+    """How many rows of its block a program stores in this pass, all or none; the first pass records its flag (1 where
+    a tile had close pairs, whose distances it left expanded)."""
+    if EXACT:
+        stored = tl.where(tl.load(exact_block) != 0, num_rows, 0)
+    else:
+        tl.store(exact_block, has_close)
+        stored = tl.where(has_close != 0, 0, num_rows)
+    return stored
+
+
+@jit
 def _fwd_tile(q, v_query, sq_query_eps, close_bound, row_max, row_sum, off_sum, acc, K, V, SqNorms, key_keep_row,
               docs, rows, start, num_queries, num_keys, scale_log2, exponent, use_high, eps, HEAD_DIM: constexpr,
               VALUE_DIM: constexpr, BLOCK_D: constexpr, BLOCK_DV: constexpr, BLOCK_N: constexpr,
               POWER_LOW: constexpr, POWER_HIGH: constexpr, MASKED: constexpr, IS_CAUSAL: constexpr,
-              HAS_KEY_MASK: constexpr, HAS_DOCUMENTS: constexpr, EULER: constexpr):  # fmt: skip
-    """One key block of the online softmax; scores in log2 units (log2(e) folded into the scale)."""
+              HAS_KEY_MASK: constexpr, HAS_DOCUMENTS: constexpr, EULER: constexpr, EXACT: constexpr):  # fmt: skip
+    """One key block of the online softmax, and whether it has close pairs; scores in log2 units (log2(e) folded
+    into the scale)."""
     cols = start + tl.arange(0, BLOCK_N)
     k = _load_rows(K, cols, num_keys, HEAD_DIM, BLOCK_D)
     values = _load_rows(V, cols, num_keys, VALUE_DIM, BLOCK_DV)
@@ -598,27 +628,35 @@ def _fwd_tile(q, v_query, sq_query_eps, close_bound, row_max, row_sum, off_sum, 
     rescale = tl.exp2(row_max - new_max)
     expo = tl.exp2(scores * scale_log2 - new_max[:, None])
     row_sum = row_sum * rescale + tl.sum(expo, 1)
-    dist_eps, is_self, _ = _distances(v_query, sq_query_eps, close_bound, values, sq_keys, V, rows, cols, num_keys,
-                                      num_keys - num_queries, eps, VALUE_DIM, MASKED, 0)  # fmt: skip
+    dist_eps, is_self, has_close = _distances(v_query, sq_query_eps, close_bound, values, sq_keys, V, rows, cols,
+                                              num_keys, num_keys - num_queries, eps, VALUE_DIM, MASKED, 0,
+                                              EXACT)  # fmt: skip
     weights = expo * _head_power(dist_eps, exponent, use_high, POWER_LOW, POWER_HIGH)[0]
     if EULER:
         if MASKED:
             weights = tl.where(is_self, 0.0, weights)
         off_sum = off_sum * rescale + tl.sum(weights, 1)
     acc = acc * rescale[:, None] + tl.dot(weights.to(values.dtype), values, input_precision=FLOAT32_DOT)
-    return new_max, row_sum, off_sum, acc
+    return new_max, row_sum, off_sum, acc, has_close
 
 
 @jit(do_not_specialize=["high_heads"])  # a bit mask, not a size: one compilation serves every layout of p
 def _plap_fwd_kernel(
-    Q, K, V, SqNorms, KeyKeep, Documents, Out, Lse, OwnWeight,
+    Q, K, V, SqNorms, KeyKeep, Documents, Out, Lse, OwnWeight, ExactBlocks,
     head_start, run_heads, num_heads, num_queries, num_keys, scale_log2, exponent_low, exponent_high,
     high_heads, eps,
     HEAD_DIM: constexpr, VALUE_DIM: constexpr, BLOCK_D: constexpr, BLOCK_DV: constexpr, BLOCK_M: constexpr,
     BLOCK_N: constexpr, POWER_LOW: constexpr, POWER_HIGH: constexpr, IS_CAUSAL: constexpr, HAS_KEY_MASK: constexpr,
-    HAS_DOCUMENTS: constexpr, EULER: constexpr,
+    HAS_DOCUMENTS: constexpr, EULER: constexpr, EXACT: constexpr,
 ):  # fmt: skip
+    """Two passes over the same grid, as each kernel here runs. The first (EXACT false) computes D2 + eps by the
+    expansion alone; a block with a close pair in any tile stores nothing but its flag in ExactBlocks (int32 per
+    block, written by every program). The second (EXACT) redoes the flagged blocks with the close pairs' direct
+    differences; the others leave at once. The exact path's code and registers stay out of the first pass, which fits
+    more blocks per SM. (A flagged block's first-pass values may be inf or NaN where the expansion went to zero or
+    below: never stored.)"""
     pid_m, slab, run_head = _program_ids(num_queries, head_start, run_heads, num_heads, BLOCK_M, IS_CAUSAL)
+    exact_block = ExactBlocks + slab * tl.cdiv(num_queries, BLOCK_M) + pid_m
     use_high, exponent = _head_exponent(run_head, high_heads, exponent_low, exponent_high)
     offset = num_keys - num_queries  # query i is the token at key position offset + i
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -640,23 +678,29 @@ def _plap_fwd_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     plain, masked = _key_loop_bounds(pid_m, num_queries, num_keys, span, BLOCK_M, BLOCK_N, IS_CAUSAL,
                                      HAS_KEY_MASK)  # fmt: skip
-    for index in range(0, plain[0]):
-        row_max, row_sum, off_sum, acc = _fwd_tile(
+    num_plain, num_masked = _pass_tiles(exact_block, plain, masked, EXACT)
+    has_close = tl.zeros([], tl.int32)
+    for index in range(0, num_plain):
+        row_max, row_sum, off_sum, acc, close = _fwd_tile(
             q, v_query, sq_query_eps, close_bound, row_max, row_sum, off_sum, acc, K, V, SqNorms, key_keep_row, docs,
             rows,
             _tile_start(index, plain, BLOCK_N), num_queries, num_keys, scale_log2, exponent, use_high, eps,
             HEAD_DIM, VALUE_DIM, BLOCK_D, BLOCK_DV, BLOCK_N, POWER_LOW, POWER_HIGH, False, IS_CAUSAL, HAS_KEY_MASK,
-            HAS_DOCUMENTS, EULER,
+            HAS_DOCUMENTS, EULER, EXACT,
         )  # fmt: skip
-    for index in range(0, masked[0]):
-        row_max, row_sum, off_sum, acc = _fwd_tile(
+        has_close |= close.to(tl.int32)
+    for index in range(0, num_masked):
+        row_max, row_sum, off_sum, acc, close = _fwd_tile(
             q, v_query, sq_query_eps, close_bound, row_max, row_sum, off_sum, acc, K, V, SqNorms, key_keep_row, docs,
             rows,
             _tile_start(index, masked, BLOCK_N), num_queries, num_keys, scale_log2, exponent, use_high, eps,
             HEAD_DIM, VALUE_DIM, BLOCK_D, BLOCK_DV, BLOCK_N, POWER_LOW, POWER_HIGH, True, IS_CAUSAL, HAS_KEY_MASK,
-            HAS_DOCUMENTS, EULER,
+            HAS_DOCUMENTS, EULER, EXACT,
         )  # fmt: skip
+        has_close |= close.to(tl.int32)
 
+    stored_rows = _pass_rows(exact_block, has_close, num_queries, EXACT)
+    row_in = rows < stored_rows
     valid = row_sum > 0  # at least one allowed key; fully masked rows output zeros
     inv_sum = 1.0 / tl.where(valid, row_sum, 1.0)
     out = acc * inv_sum[:, None]
@@ -664,7 +708,7 @@ def _plap_fwd_kernel(
         own_weight = tl.where(valid, 1.0 - off_sum * inv_sum, 0.0)  # u_x = v_x (1 - rowsum W_off) + W_off V
         out += own_weight[:, None] * v_query.to(tl.float32)
         tl.store(OwnWeight + stats + rows, own_weight, mask=row_in)
-    _store_rows(Out + slab * num_queries * VALUE_DIM, rows, num_queries, out, VALUE_DIM, BLOCK_DV)
+    _store_rows(Out + slab * num_queries * VALUE_DIM, rows, stored_rows, out, VALUE_DIM, BLOCK_DV)
     # In log2 units; +inf on fully masked rows makes the backward's exp2(s - lse) exactly 0 there.
     lse = row_max + tl.log2(tl.where(valid, row_sum, 1.0))
     tl.store(Lse + stats + rows, tl.where(valid, lse, float("inf")), mask=row_in)
@@ -675,18 +719,19 @@ def _tile_grads(
     q, k, v_query, values, sq_query_eps, close_bound, sq_keys, grad_out, lse, delta, own_dot, V, rows, cols,
     key_keep_row, docs, num_queries, num_keys, scale_log2, exponent, use_high, eps, VALUE_DIM: constexpr,
     POWER_LOW: constexpr, POWER_HIGH: constexpr, MASKED: constexpr, IS_CAUSAL: constexpr, HAS_KEY_MASK: constexpr,
-    HAS_DOCUMENTS: constexpr, EULER: constexpr, QUERY_AXIS: constexpr,
+    HAS_DOCUMENTS: constexpr, EULER: constexpr, QUERY_AXIS: constexpr, EXACT: constexpr,
 ):  # fmt: skip
     """Recompute one tile: W (W_off for euler), dS and -2 dL/dD2 (0 where D2 + eps is eps: self and coinciding
-    pairs, whose exact gradient through D2 is 0 and whose computed one would be rounding). The sign joins the
-    constant 2 (p - 2) / 2, so that the distance matmuls take it without a negation per score."""
+    pairs, whose exact gradient through D2 is 0 and whose computed one would be rounding), and whether it has close
+    pairs (without EXACT their distances stay expanded: the caller discards such tiles). The sign joins the constant
+    2 (p - 2) / 2, so that the distance matmuls take it without a negation per score."""
     scores = _masked_scores(_pair_dot(q, k, QUERY_AXIS) * scale_log2, rows, cols, num_queries, num_keys,
                             key_keep_row, docs, MASKED, IS_CAUSAL, HAS_KEY_MASK, HAS_DOCUMENTS,
                             QUERY_AXIS)  # fmt: skip
     attn = tl.exp2(scores - _per_query(lse, QUERY_AXIS))
     dist_eps, is_self, has_close = _distances(v_query, sq_query_eps, close_bound, values, sq_keys, V, rows, cols,
-                                              num_keys, num_keys - num_queries, eps, VALUE_DIM, MASKED,
-                                              QUERY_AXIS)  # fmt: skip
+                                              num_keys, num_keys - num_queries, eps, VALUE_DIM, MASKED, QUERY_AXIS,
+                                              EXACT)  # fmt: skip
     power, inv_dist = _head_power(dist_eps, exponent, use_high, POWER_LOW, POWER_HIGH)
     weights = attn * power
     grad_w = _pair_dot(grad_out, values, QUERY_AXIS)  # G = dU V^T
@@ -699,10 +744,10 @@ def _tile_grads(
     grad_dist = (-2 * exponent) * weighted * inv_dist
     if MASKED:  # self pairs
         grad_dist = tl.where(dist_eps == eps, 0.0, grad_dist)
-    else:
+    elif EXACT:
         if has_close:
             grad_dist = tl.where(dist_eps == eps, 0.0, grad_dist)
-    return weights, grad_scores, grad_dist
+    return weights, grad_scores, grad_dist, has_close
 
 
 @jit
@@ -727,17 +772,17 @@ def _dkdv_tile(grad_k, grad_v, grad_dist_sum, k, values, sq_keys, cols, start, s
                Delta, OwnDot, key_keep_row, docs, num_queries, num_keys, scale_log2, exponent, use_high, eps,
                HEAD_DIM: constexpr, VALUE_DIM: constexpr, BLOCK_D: constexpr, BLOCK_DV: constexpr,
                BLOCK_M: constexpr, POWER_LOW: constexpr, POWER_HIGH: constexpr, MASKED: constexpr, IS_CAUSAL: constexpr,
-               HAS_KEY_MASK: constexpr, HAS_DOCUMENTS: constexpr, EULER: constexpr):  # fmt: skip
+               HAS_KEY_MASK: constexpr, HAS_DOCUMENTS: constexpr, EULER: constexpr, EXACT: constexpr):  # fmt: skip
     rows = start + tl.arange(0, BLOCK_M)
     q = _load_rows(Q + slab * num_queries * HEAD_DIM, rows, num_queries, HEAD_DIM, BLOCK_D)
     v_query, sq_query_eps, close_bound, grad_out, lse, delta, own_dot = _query_side(
         slab, rows, V, SqNorms, GradOut, Lse, Delta, OwnDot, num_queries, num_keys, eps, VALUE_DIM, BLOCK_DV
     )
     # (keys, queries) tiles
-    weights, grad_scores, grad_dist = _tile_grads(
+    weights, grad_scores, grad_dist, has_close = _tile_grads(
         q, k, v_query, values, sq_query_eps, close_bound, sq_keys, grad_out, lse, delta, own_dot, V, rows, cols,
         key_keep_row, docs, num_queries, num_keys, scale_log2, exponent, use_high, eps, VALUE_DIM, POWER_LOW,
-        POWER_HIGH, MASKED, IS_CAUSAL, HAS_KEY_MASK, HAS_DOCUMENTS, EULER, 1,
+        POWER_HIGH, MASKED, IS_CAUSAL, HAS_KEY_MASK, HAS_DOCUMENTS, EULER, 1, EXACT,
     )  # fmt: skip
     grad_v += tl.dot(weights.to(grad_out.dtype), grad_out, input_precision=FLOAT32_DOT)
     grad_k += tl.dot(grad_scores.to(q.dtype), q, input_precision=FLOAT32_DOT)
@@ -745,19 +790,20 @@ def _dkdv_tile(grad_k, grad_v, grad_dist_sum, k, values, sq_keys, cols, start, s
     # loop.
     grad_dist_sum += tl.sum(grad_dist, 1)
     grad_v = _exact_dot(grad_dist, v_query, grad_v)
-    return grad_k, grad_v, grad_dist_sum
+    return grad_k, grad_v, grad_dist_sum, has_close
 
 
 @jit(do_not_specialize=["high_heads"])
 def _plap_bwd_dkdv_kernel(
-    Q, K, V, SqNorms, KeyKeep, Documents, GradOut, Lse, Delta, OwnDot, GradK, GradV,
+    Q, K, V, SqNorms, KeyKeep, Documents, GradOut, Lse, Delta, OwnDot, GradK, GradV, ExactBlocks,
     head_start, run_heads, num_heads, num_queries, num_keys, scale_log2, exponent_low, exponent_high,
     high_heads, eps,
     HEAD_DIM: constexpr, VALUE_DIM: constexpr, BLOCK_D: constexpr, BLOCK_DV: constexpr, BLOCK_M: constexpr,
     BLOCK_N: constexpr, POWER_LOW: constexpr, POWER_HIGH: constexpr, IS_CAUSAL: constexpr, HAS_KEY_MASK: constexpr,
-    HAS_DOCUMENTS: constexpr, EULER: constexpr,
+    HAS_DOCUMENTS: constexpr, EULER: constexpr, EXACT: constexpr,
 ):  # fmt: skip
     pid_n, slab, run_head = _program_ids(num_keys, head_start, run_heads, num_heads, BLOCK_N, False)
+    exact_block = ExactBlocks + slab * tl.cdiv(num_keys, BLOCK_N) + pid_n
     use_high, exponent = _head_exponent(run_head, high_heads, exponent_low, exponent_high)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     V += slab * num_keys * VALUE_DIM
@@ -773,24 +819,30 @@ def _plap_bwd_dkdv_kernel(
     grad_dist_sum = tl.zeros([BLOCK_N], tl.float32)
     plain, masked = _query_loop_bounds(pid_n, num_queries, num_keys, span, BLOCK_M, BLOCK_N, IS_CAUSAL,
                                        HAS_KEY_MASK)  # fmt: skip
-    for index in range(0, plain[0]):
-        grad_k, grad_v, grad_dist_sum = _dkdv_tile(
+    num_plain, num_masked = _pass_tiles(exact_block, plain, masked, EXACT)
+    has_close = tl.zeros([], tl.int32)
+    for index in range(0, num_plain):
+        grad_k, grad_v, grad_dist_sum, close = _dkdv_tile(
             grad_k, grad_v, grad_dist_sum, k, values, sq_keys, cols, _tile_start(index, plain, BLOCK_M), slab, Q, V,
             SqNorms, GradOut, Lse, Delta, OwnDot, key_keep_row, docs, num_queries, num_keys, scale_log2, exponent,
             use_high, eps, HEAD_DIM, VALUE_DIM, BLOCK_D, BLOCK_DV, BLOCK_M, POWER_LOW, POWER_HIGH, False, IS_CAUSAL,
-            HAS_KEY_MASK, HAS_DOCUMENTS, EULER,
+            HAS_KEY_MASK, HAS_DOCUMENTS, EULER, EXACT,
         )  # fmt: skip
-    for index in range(0, masked[0]):
-        grad_k, grad_v, grad_dist_sum = _dkdv_tile(
+        has_close |= close.to(tl.int32)
+    for index in range(0, num_masked):
+        grad_k, grad_v, grad_dist_sum, close = _dkdv_tile(
             grad_k, grad_v, grad_dist_sum, k, values, sq_keys, cols, _tile_start(index, masked, BLOCK_M), slab, Q,
             V, SqNorms, GradOut, Lse, Delta, OwnDot, key_keep_row, docs, num_queries, num_keys, scale_log2, exponent,
             use_high, eps, HEAD_DIM, VALUE_DIM, BLOCK_D, BLOCK_DV, BLOCK_M, POWER_LOW, POWER_HIGH, True, IS_CAUSAL,
-            HAS_KEY_MASK, HAS_DOCUMENTS, EULER,
+            HAS_KEY_MASK, HAS_DOCUMENTS, EULER, EXACT,
         )  # fmt: skip
+        has_close |= close.to(tl.int32)
 
+    stored_keys = _pass_rows(exact_block, has_close, num_keys, EXACT)
     grad_v -= grad_dist_sum[:, None] * values.to(tl.float32)
-    _store_rows(GradK + slab * num_keys * HEAD_DIM, cols, num_keys, grad_k * (scale_log2 * LN_2), HEAD_DIM, BLOCK_D)
-    _store_rows(GradV + slab * num_keys * VALUE_DIM, cols, num_keys, grad_v, VALUE_DIM, BLOCK_DV)
+    _store_rows(GradK + slab * num_keys * HEAD_DIM, cols, stored_keys, grad_k * (scale_log2 * LN_2), HEAD_DIM,
+                BLOCK_D)  # fmt: skip
+    _store_rows(GradV + slab * num_keys * VALUE_DIM, cols, stored_keys, grad_v, VALUE_DIM, BLOCK_DV)
 
 
 @jit
@@ -798,32 +850,33 @@ def _dq_tile(grad_q, grad_v_own, grad_dist_sum, q, v_query, sq_query_eps, close_
              rows, start, K, V, SqNorms, key_keep_row, docs, num_queries, num_keys, scale_log2, exponent, use_high, eps,
              HEAD_DIM: constexpr, VALUE_DIM: constexpr, BLOCK_D: constexpr, BLOCK_DV: constexpr,
              BLOCK_N: constexpr, POWER_LOW: constexpr, POWER_HIGH: constexpr, MASKED: constexpr, IS_CAUSAL: constexpr,
-             HAS_KEY_MASK: constexpr, HAS_DOCUMENTS: constexpr, EULER: constexpr):  # fmt: skip
+             HAS_KEY_MASK: constexpr, HAS_DOCUMENTS: constexpr, EULER: constexpr, EXACT: constexpr):  # fmt: skip
     cols = start + tl.arange(0, BLOCK_N)
     k = _load_rows(K, cols, num_keys, HEAD_DIM, BLOCK_D)
     values = _load_rows(V, cols, num_keys, VALUE_DIM, BLOCK_DV)
     sq_keys = tl.load(SqNorms + cols, mask=cols < num_keys, other=0.0)
-    weights, grad_scores, grad_dist = _tile_grads(
+    weights, grad_scores, grad_dist, has_close = _tile_grads(
         q, k, v_query, values, sq_query_eps, close_bound, sq_keys, grad_out, lse, delta, own_dot, V, rows, cols,
         key_keep_row, docs, num_queries, num_keys, scale_log2, exponent, use_high, eps, VALUE_DIM, POWER_LOW,
-        POWER_HIGH, MASKED, IS_CAUSAL, HAS_KEY_MASK, HAS_DOCUMENTS, EULER, 0,
+        POWER_HIGH, MASKED, IS_CAUSAL, HAS_KEY_MASK, HAS_DOCUMENTS, EULER, 0, EXACT,
     )  # fmt: skip
     grad_q += tl.dot(grad_scores.to(k.dtype), k, input_precision=FLOAT32_DOT)
     grad_v_own = _exact_dot(grad_dist, values, grad_v_own)
     grad_dist_sum += tl.sum(grad_dist, 1)
-    return grad_q, grad_v_own, grad_dist_sum
+    return grad_q, grad_v_own, grad_dist_sum, has_close
 
 
 @jit(do_not_specialize=["high_heads"])
 def _plap_bwd_dq_kernel(
-    Q, K, V, SqNorms, KeyKeep, Documents, GradOut, Lse, Delta, OwnDot, OwnWeight, GradQ, GradV,
+    Q, K, V, SqNorms, KeyKeep, Documents, GradOut, Lse, Delta, OwnDot, OwnWeight, GradQ, GradV, ExactBlocks,
     head_start, run_heads, num_heads, num_queries, num_keys, scale_log2, exponent_low, exponent_high,
     high_heads, eps,
     HEAD_DIM: constexpr, VALUE_DIM: constexpr, BLOCK_D: constexpr, BLOCK_DV: constexpr, BLOCK_M: constexpr,
     BLOCK_N: constexpr, POWER_LOW: constexpr, POWER_HIGH: constexpr, IS_CAUSAL: constexpr, HAS_KEY_MASK: constexpr,
-    HAS_DOCUMENTS: constexpr, EULER: constexpr,
+    HAS_DOCUMENTS: constexpr, EULER: constexpr, EXACT: constexpr,
 ):  # fmt: skip
     pid_m, slab, run_head = _program_ids(num_queries, head_start, run_heads, num_heads, BLOCK_M, IS_CAUSAL)
+    exact_block = ExactBlocks + slab * tl.cdiv(num_queries, BLOCK_M) + pid_m
     use_high, exponent = _head_exponent(run_head, high_heads, exponent_low, exponent_high)
     offset = num_keys - num_queries
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -842,28 +895,33 @@ def _plap_bwd_dq_kernel(
     grad_dist_sum = tl.zeros([BLOCK_M], tl.float32)
     plain, masked = _key_loop_bounds(pid_m, num_queries, num_keys, span, BLOCK_M, BLOCK_N, IS_CAUSAL,
                                      HAS_KEY_MASK)  # fmt: skip
-    for index in range(0, plain[0]):
-        grad_q, grad_v_own, grad_dist_sum = _dq_tile(
+    num_plain, num_masked = _pass_tiles(exact_block, plain, masked, EXACT)
+    has_close = tl.zeros([], tl.int32)
+    for index in range(0, num_plain):
+        grad_q, grad_v_own, grad_dist_sum, close = _dq_tile(
             grad_q, grad_v_own, grad_dist_sum, q, v_query, sq_query_eps, close_bound, grad_out, lse, delta, own_dot,
             rows,
             _tile_start(index, plain, BLOCK_N), K, V, SqNorms, key_keep_row, docs, num_queries, num_keys, scale_log2,
             exponent, use_high, eps, HEAD_DIM, VALUE_DIM, BLOCK_D, BLOCK_DV, BLOCK_N, POWER_LOW, POWER_HIGH, False,
-            IS_CAUSAL, HAS_KEY_MASK, HAS_DOCUMENTS, EULER,
+            IS_CAUSAL, HAS_KEY_MASK, HAS_DOCUMENTS, EULER, EXACT,
         )  # fmt: skip
-    for index in range(0, masked[0]):
-        grad_q, grad_v_own, grad_dist_sum = _dq_tile(
+        has_close |= close.to(tl.int32)
+    for index in range(0, num_masked):
+        grad_q, grad_v_own, grad_dist_sum, close = _dq_tile(
             grad_q, grad_v_own, grad_dist_sum, q, v_query, sq_query_eps, close_bound, grad_out, lse, delta, own_dot,
             rows,
             _tile_start(index, masked, BLOCK_N), K, V, SqNorms, key_keep_row, docs, num_queries, num_keys, scale_log2,
             exponent, use_high, eps, HEAD_DIM, VALUE_DIM, BLOCK_D, BLOCK_DV, BLOCK_N, POWER_LOW, POWER_HIGH, True,
-            IS_CAUSAL, HAS_KEY_MASK, HAS_DOCUMENTS, EULER,
+            IS_CAUSAL, HAS_KEY_MASK, HAS_DOCUMENTS, EULER, EXACT,
         )  # fmt: skip
+        has_close |= close.to(tl.int32)
 
-    _store_rows(GradQ + slab * num_queries * HEAD_DIM, rows, num_queries, grad_q * (scale_log2 * LN_2), HEAD_DIM,
+    stored_rows = _pass_rows(exact_block, has_close, num_queries, EXACT)
+    _store_rows(GradQ + slab * num_queries * HEAD_DIM, rows, stored_rows, grad_q * (scale_log2 * LN_2), HEAD_DIM,
                 BLOCK_D)  # fmt: skip
     # dv_x += 2 sum_y dL/dD2 (v_x - v_y), plus for euler the direct dU_x (1 - rowsum W_off).
     grad_v_own -= grad_dist_sum[:, None] * v_query.to(tl.float32)
-    row_in = rows < num_queries
+    row_in = rows < stored_rows
     if EULER:
         own_weight = tl.load(OwnWeight + slab * num_queries + rows, mask=row_in, other=0.0)
         grad_v_own += own_weight[:, None] * grad_out.to(tl.float32)
@@ -924,8 +982,9 @@ def launch_groups(p):
 
 
 def _launches(kernel, config, rows, query, key, value, tensors, p, is_causal, has_key_mask, has_documents, euler,
-              eps):  # fmt: skip
-    """One launch of ``kernel`` per group of heads; ``rows`` is the length of the side its blocks tile."""
+              eps, exact):  # fmt: skip
+    """One launch of ``kernel``'s first pass (``exact`` false) or exact pass per group of heads; ``rows`` is the length
+    of the side its blocks tile."""
     batch, heads, num_queries, head_dim = query.shape
     num_keys, value_dim = key.shape[2], value.shape[-1]
     block = config.block_n if kernel is _plap_bwd_dkdv_kernel else config.block_m
@@ -935,7 +994,9 @@ def _launches(kernel, config, rows, query, key, value, tensors, p, is_causal, ha
                     BLOCK_DV=padded_head_size(value_dim), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
                     POWER_LOW=POWER_CLASSES.get(low, 0), POWER_HIGH=POWER_CLASSES.get(high, 0), IS_CAUSAL=is_causal,
                     HAS_KEY_MASK=has_key_mask, HAS_DOCUMENTS=has_documents, EULER=euler, num_warps=config.num_warps,
-                    num_stages=config.num_stages)  # fmt: skip
+                    num_stages=config.num_stages, EXACT=exact)  # fmt: skip
+        if config.max_registers and not (exact or has_key_mask or has_documents):
+            meta["maxnreg"] = config.max_registers
         sizes = (first, end - first, heads, num_queries, num_keys, LOG2_E / math.sqrt(head_dim), (low - 2) / 2,
                  (high - 2) / 2, high_heads, eps)  # fmt: skip
         grid = (triton.cdiv(rows, block) * batch * (end - first),)
@@ -960,28 +1021,41 @@ def row_dots_launch(a, b, out):
     return Launch(_row_dots_kernel, grid, args, meta)
 
 
-def forward_launches(query, key, value, sq_norms, key_keep, documents, out, lse, own_weight, p, is_causal, eps,
-                     euler, config):  # fmt: skip
-    """The forward launches of contiguous inputs; ``key_keep`` is the (B, Nk) int8 padding mask or None,
-    ``documents`` the ``document_table`` of packed rows or None, ``sq_norms`` the (B, H, Nk) float32 squared
-    norms of the values."""
-    tensors = (query, key, value, sq_norms, *_masks(sq_norms, key_keep, documents), out, lse, own_weight)
-    return _launches(_plap_fwd_kernel, config.fwd, query.shape[2], query, key, value, tensors, p, is_causal,
-                     key_keep is not None, documents is not None, euler, eps)  # fmt: skip
+def forward_launches(query, key, value, sq_norms, key_keep, documents, out, lse, own_weight, exact_blocks, p,
+                     is_causal, eps, euler, config):  # fmt: skip
+    """The forward launches of contiguous inputs, the first pass then the exact one (``_plap_fwd_kernel``);
+    ``key_keep`` is the (B, Nk) int8 padding mask or None, ``documents`` the ``document_table`` of packed rows or
+    None, ``sq_norms`` the (B, H, Nk) float32 squared norms of the values, ``exact_blocks`` an int32 tensor of
+    ``exact_block_counts(...)[0]`` elements."""
+    tensors = (query, key, value, sq_norms, *_masks(sq_norms, key_keep, documents), out, lse, own_weight,
+               exact_blocks)  # fmt: skip
+    flags = (p, is_causal, key_keep is not None, documents is not None, euler, eps)
+    return [launch for exact in (False, True)
+            for launch in _launches(_plap_fwd_kernel, config.fwd, query.shape[2], query, key, value, tensors, *flags,
+                                    exact)]  # fmt: skip
+
+
+def exact_block_counts(query, key, config):
+    """The blocks of the forward's, dk/dv's and dq's grids over every (batch, head): one flag each between a kernel's
+    two passes."""
+    slabs = query.shape[0] * query.shape[1]
+    return (slabs * triton.cdiv(query.shape[2], config.fwd.block_m), slabs * triton.cdiv(key.shape[2],
+            config.dkdv.block_n), slabs * triton.cdiv(query.shape[2], config.dq.block_m))  # fmt: skip
 
 
 def backward_launches(
     query, key, value, sq_norms, key_keep, documents, grad_out, lse, delta, own_dot, own_weight, grad_q, grad_k,
-    grad_v, p, is_causal, eps, euler, config,
+    grad_v, exact_blocks, p, is_causal, eps, euler, config,
 ):  # fmt: skip
-    """The dk/dv launches, then the dq launches (which add to the dv rows of each query's own value)."""
+    """The dk/dv launches, then the dq launches (which add to the dv rows of each query's own value), each kernel's
+    first pass then its exact one; ``exact_blocks`` holds ``exact_block_counts(...)[1:]`` int32 flags in turn."""
     inputs = (query, key, value, sq_norms, *_masks(sq_norms, key_keep, documents), grad_out, lse, delta, own_dot)
     flags = (p, is_causal, key_keep is not None, documents is not None, euler, eps)
-    dkdv = _launches(_plap_bwd_dkdv_kernel, config.dkdv, key.shape[2], query, key, value, (*inputs, grad_k, grad_v),
-                     *flags)  # fmt: skip
-    dq = _launches(_plap_bwd_dq_kernel, config.dq, query.shape[2], query, key, value,
-                   (*inputs, own_weight, grad_q, grad_v), *flags)  # fmt: skip
-    return dkdv + dq
+    dkdv_blocks, dq_blocks = exact_blocks.split(list(exact_block_counts(query, key, config)[1:]))
+    dkdv = (_plap_bwd_dkdv_kernel, config.dkdv, key.shape[2], query, key, value, (*inputs, grad_k, grad_v, dkdv_blocks))
+    dq = (_plap_bwd_dq_kernel, config.dq, query.shape[2], query, key, value,
+          (*inputs, own_weight, grad_q, grad_v, dq_blocks))  # fmt: skip
+    return [launch for kernel in (dkdv, dq) for exact in (False, True) for launch in _launches(*kernel, *flags, exact)]
 
 
 def _run(launch, query, value):
@@ -1024,7 +1098,8 @@ def _flat(config):
 
 
 def _unflat(numbers):
-    return _config(numbers[0:4], numbers[4:8], numbers[8:12])
+    size = len(KernelConfig._fields)
+    return _config(*(numbers[start : start + size] for start in range(0, 3 * size, size)))
 
 
 # Forward and backward as custom ops, so that torch.compile and torch.export trace through the kernels as one opaque
@@ -1047,9 +1122,11 @@ def _fused_forward(
     lse = torch.empty(batch, heads, num_queries, device=query.device, dtype=torch.float32)
     own_weight = torch.empty_like(lse) if euler else lse.new_empty(0)  # written by euler only
     sq_norms = torch.empty(value.shape[:3], device=value.device, dtype=torch.float32)  # (B, H, Nk)
+    config = _unflat(config)
+    exact_blocks = torch.empty(exact_block_counts(query, key, config)[0], device=query.device, dtype=torch.int32)
     for launch in [row_dots_launch(value, value, sq_norms)] + forward_launches(
-        query, key, value, sq_norms, key_keep, documents, out, lse, own_weight if euler else lse, tuple(p),
-        is_causal, eps, euler, _unflat(config),
+        query, key, value, sq_norms, key_keep, documents, out, lse, own_weight if euler else lse, exact_blocks,
+        tuple(p), is_causal, eps, euler, config,
     ):  # fmt: skip
         _run(launch, query, value)
     return out, lse, own_weight, sq_norms
@@ -1097,9 +1174,12 @@ def _fused_backward(
     # value after the dkdv kernel wrote them, so dv stays float32 until the end.
     grad_q, grad_k = torch.empty_like(query), torch.empty_like(key)
     grad_v = torch.empty(value.shape, device=query.device, dtype=torch.float32)
+    config = _unflat(config)
+    exact_blocks = torch.empty(sum(exact_block_counts(query, key, config)[1:]), device=query.device,
+                               dtype=torch.int32)  # fmt: skip
     for launch in backward_launches(
         query, key, value, sq_norms, key_keep, documents, grad_out, lse, delta, own_dot,
-        own_weight if euler else lse, grad_q, grad_k, grad_v, tuple(p), is_causal, eps, euler, _unflat(config),
+        own_weight if euler else lse, grad_q, grad_k, grad_v, exact_blocks, tuple(p), is_causal, eps, euler, config,
     ):  # fmt: skip
         _run(launch, query, value)
     return grad_q, grad_k, grad_v.to(value.dtype)

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(triton_module.triton is None, reason="triton is 
 # mix), with a quarter of headroom: a change that makes a kernel much slower on a GPU fails here. (The per-tile test
 # for close pairs of values took them from 18.6, 41.8 and 36.2 to 22.3, 52.2 and 44.0; one comparison per plain tile
 # and the scale folded into the forward's exp2 brought them here.)
-MEASURED_INSTRUCTIONS = {"fwd": 19.3, "dkdv": 46.0, "dq": 38.6, "baseline": 8.8}
+MEASURED_INSTRUCTIONS = {"fwd": 23.8, "dkdv": 38.4, "dq": 42.4, "baseline": 8.8}
 
 LISTING = """
         /*0000*/                   MOV R1, c[0x0][0x28] ;
@@ -90,4 +90,6 @@ def test_quick_sweep_compiles_and_stays_under_bounds(tmp_path):
         analysis = record["result"][kernel]
         assert analysis["per_score"]["instructions"] <= 1.25 * measured, (kernel, analysis["per_score"])
         assert analysis["loop_spills"] == 0 and analysis["mma_kind"] == "wgmma"
+    # The forward's first pass under its register cap, unspilled: four blocks of 4 warps per SM.
+    assert record["result"]["fwd"]["registers"] <= 128 and record["result"]["fwd"]["spill_stores"] == 0
     assert record["result"]["ratios"]["fwd"] > 1

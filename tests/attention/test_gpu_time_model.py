@@ -146,12 +146,16 @@ def test_live_bytes_follow_storages_until_their_last_tensor_goes(model):
 
 def test_peak_bytes_are_what_the_backend_holds(model):
     """The forward's output and row statistics (lse, squared norms), then the backward's D, dq, dk, dv in float32 and
-    dv's cast, all live at the end: 12 bytes per bf16 element and 12 per row."""
+    dv's cast, all live at the end: 12 bytes per bf16 element and 12 per row, and an int32 flag per block of each
+    backward kernel."""
     batch, heads, tokens, head_dim = 2, 4, 128, 64
     elements = batch * heads * tokens * head_dim
     rows = elements // head_dim
     peak = model.peak_bytes(triton_module, batch, heads, tokens, head_dim, [1.5, 1.5, 2.5, 2.5])
-    assert peak == elements * (2 + 2 + 2 + 4 + 2) + rows * (4 + 4 + 4)
+    inputs = torch.empty(batch, heads, tokens, head_dim, device="meta")
+    config = triton_module.launch_config(torch.bfloat16, head_dim, head_dim, (9, 0))
+    flags = sum(triton_module.exact_block_counts(inputs, inputs, config)[1:])
+    assert peak == elements * (2 + 2 + 2 + 4 + 2) + rows * (4 + 4 + 4) + flags * 4
 
 
 @pytest.mark.slow

@@ -11,10 +11,11 @@ import pytest
 import torch
 from device import DEVICE, TRITON_HALF
 from reference import reference_plap_attention
-from test_backends import TORCH_BACKENDS, TRITON_MISSING, relative_error, triton_small_blocks
+from test_backends import TORCH_BACKENDS, TRITON_MISSING, make_inputs, relative_error, triton_small_blocks
 from tiny import LLAMA_SHAPE, lm
 from transformers import DataCollatorWithFlattening
 
+from modeling_plat import plap_attention_triton as triton_module
 from modeling_plat.plap_attention_reference import squared_value_distances
 
 P = (1.0, 1.5, 2.5, 3.0)
@@ -165,6 +166,39 @@ def test_backends_agree_on_duplicates(backend):
     p = torch.tensor(P, device=DEVICE)
     expected = TORCH_BACKENDS["eager"](*inputs, p, is_causal=True)
     torch.testing.assert_close(BACKENDS[backend](*inputs, p, is_causal=True), expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(TRITON_MISSING, reason="triton is not installed (pip install triton)")
+@pytest.mark.parametrize("is_causal", [True, False])
+def test_triton_redoes_exactly_the_blocks_with_close_pairs(monkeypatch, is_causal):
+    """Each kernel's first pass flags the blocks with a close pair in a tile they visit; only those run its exact
+    pass, and outputs and gradients match the reference either way. Copies of position 3's value at 21 and 39, blocks
+    of 16: causal, the query blocks of 21 and 39 (1 and 2) pair with key 3, and the key blocks of 3 and 21 (0 and 1)
+    with a later copy; without the mask every block has a close pair."""
+    flags = {}
+    original = triton_module._run
+
+    def run(launch, query, value):
+        original(launch, query, value)
+        if not launch.meta.get("EXACT", True):  # a first pass: its flags, the last tensor argument
+            flags[launch.kernel.__name__] = [a for a in launch.args if isinstance(a, torch.Tensor)][-1].tolist()
+
+    monkeypatch.setattr(triton_module, "_run", run)
+    shape, blocks = (1, 2, 40, 40, 16, 16), 3
+    batch, heads = shape[:2]
+    inputs, _ = make_inputs(*shape, torch.float32)
+    everything = tuple(range(blocks))
+    for copies, query_blocks, key_blocks in (((), (), ()), ((21, 39), (1, 2), (0, 1))):
+        with torch.no_grad():
+            inputs[2][:, :, list(copies)] = inputs[2][:, :, 3:4]
+        found = errors(triton_small_blocks, inputs, p=(1.5, 2.5), is_causal=is_causal)
+        assert max(found.values()) <= 1e-5, found
+        if copies and not is_causal:
+            query_blocks = key_blocks = everything
+        expected = {"_plap_fwd_kernel": query_blocks, "_plap_bwd_dkdv_kernel": key_blocks,
+                    "_plap_bwd_dq_kernel": query_blocks}  # fmt: skip
+        assert flags == {kernel: [int(block in flagged) for _ in range(batch * heads) for block in everything]
+                         for kernel, flagged in expected.items()}  # fmt: skip
 
 
 # Text with repeated tokens: a few words, each several times, in a Llama-shaped model whose first layer gives

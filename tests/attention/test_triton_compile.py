@@ -2,10 +2,10 @@
 
 The Triton interpreter that runs the kernels in the other tests accepts code a GPU compiler rejects (a
 module-level Python float read inside a kernel, for one) and knows nothing of shared memory or registers.
-Here the forward, dK/dV and dQ kernels are compiled ahead of time (benchmarks/triton_aot.py: triton.compile for
-GPUTarget("cuda", arch, 32) and the ptxas of Triton's wheel) for sm_80 (A100, and the configurations that the
-other 8.x GPUs share) and sm_90 (H100), for each dtype and head size that ``triton_unsupported_reason`` admits
-there. Each must compile and its shared memory must fit the smallest limit among the GPUs that use its
+Here the forward, dK/dV and dQ kernels (each a first pass and an exact pass) are compiled ahead of time
+(benchmarks/triton_aot.py: triton.compile for GPUTarget("cuda", arch, 32) and the ptxas of Triton's wheel) for sm_80
+(A100, and the configurations that the other 8.x GPUs share) and sm_90 (H100), for each dtype and head size that
+``triton_unsupported_reason`` admits there. Each must compile and its shared memory must fit the smallest limit among the GPUs that use its
 configuration; registers and spills are printed.
 
 Compiled: every admitted (arch, dtype, head size) with causal + key padding + euler + packed documents (every
@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from modeling_plat import plap_attention_triton as triton_module
-from triton_aot import KERNELS, case_id, run_cases
+from triton_aot import case_id, case_kernels, run_cases
 
 pytestmark = pytest.mark.skipif(triton_module.triton is None, reason="triton is not installed")
 
@@ -59,8 +59,12 @@ def cases(archs, head_dims, flag_sets, lengths=(256, 256), p=1.5):
 ALL_ON, ALL_OFF = (True,) * 4, (False,) * 4
 # The power's classes (p = 1.5, 2.5 and any other p) compile different code, and a launch whose heads have two p
 # compiles the code of both: the paper's mix at head sizes 64 and 128, and 2.5 beside another p at 128.
+# Each kernel's exact pass is its first pass plus the close pairs' loop: by default compiled for the head sizes whose
+# blocks no other case compiles with it (64 and 128, and 64 beside a value size of 80), with -m slow everywhere.
+FIRST_PASSES = ("fwd", "dkdv", "dq", "row_dots")
 DEFAULT_CASES = (
-    cases((80, 90), [(16, 16), (32, 32), (80, 80), (64, 80)], [ALL_ON])
+    [dict(case, kernels=FIRST_PASSES) for case in cases((80, 90), [(16, 16), (32, 32), (80, 80)], [ALL_ON])]
+    + cases((80, 90), [(64, 80)], [ALL_ON])
     + cases((80, 90), [(64, 64), (128, 128)], [ALL_ON], p=[1.5, 2.5, 2.5])
     + cases((80, 90), [(64, 64)], [ALL_OFF], lengths=(197, 250))
     + cases((80, 90), [(128, 128)], [ALL_ON], p=[2.5, 3.0, 3.0])
@@ -109,15 +113,17 @@ def check(result, arch):
     assert result["shared"] <= shared_memory_limit(arch), f"{result['shared']} bytes of shared memory"
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
-@pytest.mark.parametrize("case", DEFAULT_CASES, ids=case_id)
+def case_kernel_params(cases):
+    return [pytest.param(case, kernel, id=f"{case_id(case)}-{kernel}") for case in cases for kernel in case_kernels(case)]
+
+
+@pytest.mark.parametrize("case, kernel", case_kernel_params(DEFAULT_CASES))
 def test_kernel_compiles_and_fits(default_results, case, kernel):
     check(default_results[case_id(case), kernel], case["arch"])
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kernel", KERNELS)
-@pytest.mark.parametrize("case", SLOW_CASES, ids=case_id)
+@pytest.mark.parametrize("case, kernel", case_kernel_params(SLOW_CASES))
 def test_kernel_compiles_and_fits_everywhere(slow_results, case, kernel):
     check(slow_results[case_id(case), kernel], case["arch"])
 
