@@ -187,7 +187,7 @@ class ByteCounter(TorchDispatchMode):
 
     FREE = {"empty", "empty_like", "new_empty", "empty_strided", "view", "_unsafe_view", "expand", "slice", "select",
             "t", "transpose", "permute", "unsqueeze", "squeeze", "alias", "detach", "as_strided",
-            "contiguous", "split", "split_with_sizes"}  # fmt: skip
+            "contiguous"}  # fmt: skip
 
     def __init__(self):
         super().__init__()

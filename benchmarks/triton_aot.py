@@ -80,7 +80,8 @@ def launches(triton_module, case):
     forward = triton_module.forward_launches(query, key, value, sq_norms, key_keep, documents, out, stats, stats,
                                              torch.zeros(counts[0], dtype=torch.int32), *flags)  # fmt: skip
     backward = triton_module.backward_launches(query, key, value, sq_norms, key_keep, documents, out, stats, stats,
-                                               stats, stats, *grads, torch.zeros(sum(counts[1:]), dtype=torch.int32),
+                                               stats, stats, *grads,
+                                               [torch.zeros(count, dtype=torch.int32) for count in counts[1:]],
                                                *flags)  # fmt: skip
     row_dots = triton_module.row_dots_launch(value, value, sq_norms)  # the values' squared norms
     return zip(KERNELS, (*forward, *backward, row_dots))

@@ -982,9 +982,9 @@ def launch_groups(p):
 
 
 def _launches(kernel, config, rows, query, key, value, tensors, p, is_causal, has_key_mask, has_documents, euler,
-              eps, exact):  # fmt: skip
-    """One launch of ``kernel``'s first pass (``exact`` false) or exact pass per group of heads; ``rows`` is the length
-    of the side its blocks tile."""
+              eps):  # fmt: skip
+    """The launches of ``kernel`` per group of heads, its first pass then its exact pass; ``rows`` is the length of
+    the side its blocks tile."""
     batch, heads, num_queries, head_dim = query.shape
     num_keys, value_dim = key.shape[2], value.shape[-1]
     block = config.block_n if kernel is _plap_bwd_dkdv_kernel else config.block_m
@@ -994,13 +994,14 @@ def _launches(kernel, config, rows, query, key, value, tensors, p, is_causal, ha
                     BLOCK_DV=padded_head_size(value_dim), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
                     POWER_LOW=POWER_CLASSES.get(low, 0), POWER_HIGH=POWER_CLASSES.get(high, 0), IS_CAUSAL=is_causal,
                     HAS_KEY_MASK=has_key_mask, HAS_DOCUMENTS=has_documents, EULER=euler, num_warps=config.num_warps,
-                    num_stages=config.num_stages, EXACT=exact)  # fmt: skip
-        if config.max_registers and not (exact or has_key_mask or has_documents):
-            meta["maxnreg"] = config.max_registers
+                    num_stages=config.num_stages)  # fmt: skip
         sizes = (first, end - first, heads, num_queries, num_keys, LOG2_E / math.sqrt(head_dim), (low - 2) / 2,
                  (high - 2) / 2, high_heads, eps)  # fmt: skip
-        grid = (triton.cdiv(rows, block) * batch * (end - first),)
-        launches.append(Launch(kernel, grid, (*tensors, *sizes), meta))
+        grid, args = (triton.cdiv(rows, block) * batch * (end - first),), (*tensors, *sizes)
+        first_pass = dict(meta, EXACT=False)
+        if config.max_registers and not (has_key_mask or has_documents):
+            first_pass["maxnreg"] = config.max_registers
+        launches += [Launch(kernel, grid, args, first_pass), Launch(kernel, grid, args, dict(meta, EXACT=True))]
     return launches
 
 
@@ -1030,9 +1031,7 @@ def forward_launches(query, key, value, sq_norms, key_keep, documents, out, lse,
     tensors = (query, key, value, sq_norms, *_masks(sq_norms, key_keep, documents), out, lse, own_weight,
                exact_blocks)  # fmt: skip
     flags = (p, is_causal, key_keep is not None, documents is not None, euler, eps)
-    return [launch for exact in (False, True)
-            for launch in _launches(_plap_fwd_kernel, config.fwd, query.shape[2], query, key, value, tensors, *flags,
-                                    exact)]  # fmt: skip
+    return _launches(_plap_fwd_kernel, config.fwd, query.shape[2], query, key, value, tensors, *flags)
 
 
 def exact_block_counts(query, key, config):
@@ -1048,14 +1047,14 @@ def backward_launches(
     grad_v, exact_blocks, p, is_causal, eps, euler, config,
 ):  # fmt: skip
     """The dk/dv launches, then the dq launches (which add to the dv rows of each query's own value), each kernel's
-    first pass then its exact one; ``exact_blocks`` holds ``exact_block_counts(...)[1:]`` int32 flags in turn."""
+    first pass then its exact one; ``exact_blocks`` are two int32 tensors of ``exact_block_counts(...)[1:]`` flags."""
     inputs = (query, key, value, sq_norms, *_masks(sq_norms, key_keep, documents), grad_out, lse, delta, own_dot)
     flags = (p, is_causal, key_keep is not None, documents is not None, euler, eps)
-    dkdv_blocks, dq_blocks = exact_blocks.split(list(exact_block_counts(query, key, config)[1:]))
+    dkdv_blocks, dq_blocks = exact_blocks
     dkdv = (_plap_bwd_dkdv_kernel, config.dkdv, key.shape[2], query, key, value, (*inputs, grad_k, grad_v, dkdv_blocks))
     dq = (_plap_bwd_dq_kernel, config.dq, query.shape[2], query, key, value,
           (*inputs, own_weight, grad_q, grad_v, dq_blocks))  # fmt: skip
-    return [launch for kernel in (dkdv, dq) for exact in (False, True) for launch in _launches(*kernel, *flags, exact)]
+    return _launches(*dkdv, *flags) + _launches(*dq, *flags)
 
 
 def _run(launch, query, value):
@@ -1175,8 +1174,8 @@ def _fused_backward(
     grad_q, grad_k = torch.empty_like(query), torch.empty_like(key)
     grad_v = torch.empty(value.shape, device=query.device, dtype=torch.float32)
     config = _unflat(config)
-    exact_blocks = torch.empty(sum(exact_block_counts(query, key, config)[1:]), device=query.device,
-                               dtype=torch.int32)  # fmt: skip
+    exact_blocks = [torch.empty(count, device=query.device, dtype=torch.int32)
+                    for count in exact_block_counts(query, key, config)[1:]]  # fmt: skip
     for launch in backward_launches(
         query, key, value, sq_norms, key_keep, documents, grad_out, lse, delta, own_dot,
         own_weight if euler else lse, grad_q, grad_k, grad_v, exact_blocks, tuple(p), is_causal, eps, euler, config,
