@@ -124,8 +124,8 @@ def block_scores(kernel, config, tokens, is_causal):
     and dQ tile each query block's keys up to its last query, dK/dV each key block's queries from its first key."""
     block_m, block_n = config["block_m"], config["block_n"]
     if not is_causal:
-        return [math.ceil(tokens / block_n) * block_n * block_m] * math.ceil(tokens / block_m) if kernel != "dkdv" \
-            else [math.ceil(tokens / block_m) * block_m * block_n] * math.ceil(tokens / block_n)
+        fixed, loop = (block_n, block_m) if kernel == "dkdv" else (block_m, block_n)  # a program's block, its loop's
+        return [math.ceil(tokens / loop) * loop * fixed] * math.ceil(tokens / fixed)
     if kernel == "dkdv":
         return [math.ceil((tokens - start // block_m * block_m) / block_m) * block_m * block_n
                 for start in range(0, tokens, block_n)]  # fmt: skip
