@@ -22,6 +22,10 @@ Sections, each a list of JSON rows in the record (a row that failed says why in 
   (8, 12, 1024, 64), (2, 16, 4096, 64), (2, 16, 4096, 128) and (1, 8, 16384, 64) causal. TFLOP/s are against
   each algorithm's matmul floor (multiply-adds per score and head-size unit: p-LaT 3 forward, 11 forward +
   backward; softmax 2 and 7; causal shapes count half).
+- kernels: the GPU kernels of one bfloat16 plap_attention forward + backward, by name, from torch.profiler: launches
+  per call, microseconds per call and per launch in launch order (a kernel's first pass, then its exact pass), at the
+  kernel-speed shapes (4k, 4k-d128, 16k, paper mix) and at 4k with every head at p = 1.5 (one launch per kernel):
+  what benchmarks/gpu_time_model.py is calibrated on.
 - train: optimizer steps (forward, backward, AdamW) under bf16 autocast of benchmarks/bench_train_step.py's
   vision (DeiT-tiny), lm (the paper's LM) and llama-125m (12 x 768, 8 x 1024 tokens) pairs, p-LaT against
   transformers' twins with SDPA (its default backend); medians after warm-up, peak memory.
@@ -38,7 +42,8 @@ tracing, once per graph), so that a fall back from the fused kernels shows. The 
 one PASS / FAIL / NOT MEASURED line each (TARGETS). Sections run in order while the time used plus the
 section's expected time (EXPECTED_S, estimated for an H100) fits --budget-s; one that would not is skipped with
 the reason. The record is rewritten after every section, so that a run stopped from outside keeps what was
-done, with the GPU, driver, CUDA, torch, Triton and transformers versions. Exit status: 1 if anything failed
+done, with the GPU, driver, CUDA, torch, Triton and transformers versions and the folder modeling_plat was imported
+from (a baseline's on PYTHONPATH is measured the same way). Exit status: 1 if anything failed
 (a check, a target, an error), 2 without a CUDA GPU.
 """
 
@@ -65,14 +70,15 @@ from pathlib import Path
 
 import torch
 
+import modeling_plat
 from modeling_plat import paper_p_mix
 from modeling_plat.plap_attention import choose_backend, plap_attention
 
 ROOT = Path(__file__).resolve().parents[1]
-SECTIONS = ("sweep", "attention", "train", "compile", "decode", "main-job")
+SECTIONS = ("sweep", "attention", "kernels", "train", "compile", "decode", "main-job")
 # Seconds each section is expected to take on an H100, estimated (kernel builds and Inductor compiles dominate),
 # which the budget guard adds to the time used before starting it.
-EXPECTED_S = {"sweep": 90, "attention": 45, "train": 60, "compile": 150, "decode": 40, "main-job": 90}
+EXPECTED_S = {"sweep": 90, "attention": 45, "kernels": 20, "train": 60, "compile": 150, "decode": 40, "main-job": 90}
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 HEAD_DIMS = (16, 48, 64, 80, 128)
@@ -95,6 +101,15 @@ ATTENTION_SHAPES = {
     "4k": (2, 16, 4096, 64, True),
     "4k-d128": (2, 16, 4096, 128, True),
     "16k": (1, 8, 16384, 64, True),
+}
+# The kernel-speed targets against SDPA's default backend: (shape, fwd or fwd_bwd, limit), and peak memory.
+KERNEL_SPEED_TARGETS = [("4k", "fwd", 2.0), ("4k", "fwd_bwd", 2.5), ("4k-d128", "fwd_bwd", 3.0), ("16k", "fwd_bwd", 2.5)]
+KERNEL_SPEED_SHAPES = ("4k", "4k-d128", "16k")
+PEAK_MEMORY_LIMIT = 1.2
+# name: (shape, p per head: None for the paper's mix) of the kernels section.
+KERNEL_CASES = {
+    **{name: (ATTENTION_SHAPES[name], None) for name in KERNEL_SPEED_SHAPES},
+    "4k-p1.5": (ATTENTION_SHAPES["4k"], 1.5),
 }
 # label: the SDPBackend scaled_dot_product_attention is restricted to (None: its own choice).
 SDPA_VARIANTS = {"sdpa": None, "sdpa-flash": "FLASH_ATTENTION", "sdpa-cudnn": "CUDNN_ATTENTION"}
@@ -456,6 +471,63 @@ def attention_section(device, log, shapes=ATTENTION_SHAPES, warmup=3, repeats=10
     return rows
 
 
+# ------------------------------------------------------------------------------------------------- kernels
+
+
+def kernel_times(call, device, repeats):
+    """{name: launches per call, microseconds per call, median microseconds of each launch in launch order} of the
+    kernels that call() runs on ``device``, from torch.profiler (on a CPU: its operators, nested ones included)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    call()  # builds and caches what the first call compiles
+    synchronize(device)
+    activity, kind = (ProfilerActivity.CUDA, DeviceType.CUDA) if device.type == "cuda" else (ProfilerActivity.CPU,
+                                                                                            DeviceType.CPU)
+    with profile(activities=[activity]) as prof:
+        for _ in range(repeats):
+            call()
+        synchronize(device)
+    durations = collections.defaultdict(list)
+    for event in sorted(prof.events(), key=lambda event: event.time_range.start):
+        if event.device_type == kind:
+            durations[event.name].append(event.time_range.elapsed_us())
+    kernels = {}
+    for name, times in durations.items():
+        launches = len(times) // repeats
+        if launches * repeats != len(times):  # not launched the same number of times by every call
+            raise RuntimeError(f"{name} ran {len(times)} times in {repeats} calls")
+        kernels[name] = dict(launches=launches, us=sum(times) / repeats,
+                             launch_us=[statistics.median(times[i::launches]) for i in range(launches)])  # fmt: skip
+    return kernels
+
+
+def kernels_section(device, log, cases=KERNEL_CASES, repeats=5):
+    rows = []
+    for name, ((batch, heads, length, head_dim, causal), p) in cases.items():
+        gen = torch.Generator(device=device).manual_seed(0)
+        q, k, v = (torch.randn(batch, heads, length, head_dim, generator=gen, device=device, dtype=torch.bfloat16)
+                   .requires_grad_() for _ in range(3))  # fmt: skip
+        grad_out = torch.randn(q.shape, generator=gen, device=device, dtype=torch.bfloat16)
+        p_heads = tuple(paper_p_mix(heads)) if p is None else (p,) * heads
+        row = dict(name=name, batch=batch, heads=heads, length=length, head_dim=head_dim, causal=causal,
+                   p=sorted(set(p_heads)))  # fmt: skip
+        try:
+            with backend_spy() as chosen:
+                row["kernels"] = kernel_times(
+                    lambda: torch.autograd.grad(plap_attention(q, k, v, p_heads, is_causal=causal), (q, k, v),
+                                                grad_out), device, repeats)  # fmt: skip
+            row["backends"] = dict(chosen)
+            row["total_us"] = sum(kernel["us"] for kernel in row["kernels"].values())
+            top = sorted(row["kernels"].items(), key=lambda item: -item[1]["us"])[:4]
+            log(f"kernels {name}: {row['total_us']:.0f} us, " + ", ".join(f"{kernel} {times['us']:.0f}"
+                                                                          for kernel, times in top))  # fmt: skip
+        except Exception as error:
+            row.update(error_fields(error))
+        rows.append(row)
+    return rows
+
+
 # -------------------------------------------------------------------------------------------- training steps
 
 
@@ -721,9 +793,22 @@ def cuda_graphs_target(sections):
     return (f"{row['step_ms']:.2f} ms/step" if "step_ms" in row else row["error"]), "step_ms" in row
 
 
+def peak_memory_target(sections, names=KERNEL_SPEED_SHAPES, limit=PEAK_MEMORY_LIMIT):
+    """Peak memory of a forward + backward over SDPA's default backend's at each shape; passed if the largest is
+    within ``limit``, not measured unless every shape measured both."""
+    ratios = {}
+    for name in names:
+        row = find(sections, "attention", name=name)
+        with contextlib.suppress(KeyError, TypeError):
+            ratios[name] = round(row["plat"]["fwd_bwd_peak_mib"] / row["sdpa"]["fwd_bwd_peak_mib"], 3)
+    if len(ratios) < len(names):
+        return ratios or None, None
+    return ratios, max(ratios.values()) <= limit
+
+
 def fused_target(sections):
     """Which timed p-LaT rows saw auto choose anything but the fused kernels (or the decode path)."""
-    rows = [row for name in ("attention", "train", "compile", "decode")
+    rows = [row for name in ("attention", "kernels", "train", "compile", "decode")
             for row in sections.get(name, {}).get("rows", [])]  # fmt: skip
     counts = {row["name"]: row.get("plat", row)["backends"] for row in rows if "backends" in row.get("plat", row)}
     fallbacks = {name: chosen for name, chosen in counts.items() if set(chosen) - FUSED}
@@ -738,6 +823,12 @@ TARGETS = [
      lambda s: ratio_target(s, "train", dict(name="plat-llama-125m"), lambda row: row["ratio"], 1.3)),
     ("paper-lm attention forward + backward <= 2.5 x SDPA (default backend)", ("attention",),
      lambda s: ratio_target(s, "attention", dict(name="paper-lm"), lambda row: row["ratio_to_sdpa"]["fwd_bwd"], 2.5)),
+    *[(f"{name} attention {'forward' if part == 'fwd' else 'forward + backward'} <= {limit} x SDPA (default backend)",
+       ("attention",), functools.partial(ratio_target, section="attention", fields=dict(name=name),
+                                         value_of=lambda row, part=part: row["ratio_to_sdpa"][part], limit=limit))
+      for name, part, limit in KERNEL_SPEED_TARGETS],
+    (f"peak memory of an attention forward + backward <= {PEAK_MEMORY_LIMIT} x SDPA (default backend) at "
+     f"{', '.join(KERNEL_SPEED_SHAPES)}", ("attention",), peak_memory_target),
     ("compiled plat-ptb-tiny training step <= 0.8 x eager", ("compile",),
      lambda s: ratio_target(s, "compile", dict(name="plat-ptb-tiny/train-step"), lambda row: row["ratio_to_eager"],
                             0.8)),
@@ -827,7 +918,7 @@ def environment(device):
     return dict(gpu=torch.cuda.get_device_name(device), capability=f"{major}.{minor}", driver=driver,
                 cuda=torch.version.cuda, torch=torch.__version__, triton=triton.__version__,
                 transformers=transformers.__version__, python=platform.python_version(), cpus=os.cpu_count(),
-                commit=commit,
+                commit=commit, modeling_plat=str(Path(modeling_plat.__file__).resolve().parent),
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))  # fmt: skip
 
 
@@ -869,6 +960,7 @@ def main(argv=None):
     runs = {
         "sweep": lambda: sweep_section(device, log, workers=args.workers),
         "attention": lambda: attention_section(device, log, **timing),
+        "kernels": lambda: kernels_section(device, log),
         "train": lambda: train_section(device, log, **timing),
         "compile": lambda: compile_section(device, log, **timing),
         "decode": lambda: decode_section(device, log),

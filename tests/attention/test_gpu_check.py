@@ -175,6 +175,26 @@ def test_attention_section_on_cpu():
     assert "failures" not in row
 
 
+def test_kernel_times_by_name_and_launch_order():
+    """On a CPU the profiled events are operators: every matmul of the call, in launch order."""
+    a, b = torch.randn(64, 64), torch.randn(8, 8)
+    times = gpu_check.kernel_times(lambda: (a @ a, b @ b, a @ a), CPU, repeats=3)
+    assert times["aten::mm"]["launches"] == 3 and len(times["aten::mm"]["launch_us"]) == 3
+    assert times["aten::mm"]["us"] > 0 and all(us > 0 for us in times["aten::mm"]["launch_us"])
+    calls = iter(range(10))
+    with pytest.raises(RuntimeError, match="times in 2 calls"):  # a kernel that only some calls run
+        gpu_check.kernel_times(lambda: a @ a if next(calls) % 2 else None, CPU, repeats=2)
+
+
+def test_kernels_section_on_cpu():
+    cases = {"tiny": ((1, 2, 24, 8, True), None), "tiny-p1.5": ((1, 2, 24, 8, True), 1.5)}
+    mixed, single = gpu_check.kernels_section(CPU, quiet, cases=cases, repeats=2)
+    assert mixed["p"] == [1.5, 2.5] and single["p"] == [1.5]
+    assert "failures" not in mixed and mixed["backends"] == {"eager": 3}  # the first call, then two profiled
+    assert mixed["total_us"] == sum(kernel["us"] for kernel in mixed["kernels"].values()) > 0
+    assert mixed["kernels"]["aten::bmm"]["launches"] >= 1
+
+
 def test_train_section_on_cpu():
     rows = gpu_check.train_section(CPU, quiet, batches={"ptb": 2}, warmup=0, repeats=1)
     assert [row["name"] for row in rows] == ["plat-ptb-tiny", "softmax-ptb-tiny"]
@@ -295,13 +315,25 @@ def test_targets_and_failures():
         decode=section(dict(name="gpt2/plat-gpt2/batch1", backends={"decode": 3, "tiled": 1})),
     )  # fmt: skip
     sections["compile"]["rows"][0]["ratio_to_eager"] = 0.7
+    # Kernel speed: the 4k forward within its 2.0x, forward + backward not within 2.5x; 16k over 1.2x SDPA's memory.
+    for name, ratios, peaks in [("4k", (1.9, 2.6), (98, 97)), ("4k-d128", (2.1, 2.9), (190, 180)),
+                                ("16k", (2.2, 2.4), (130, 97))]:  # fmt: skip
+        sections["attention"]["rows"].append(dict(name=name, plat=dict(backends=fused, fwd_bwd_peak_mib=peaks[0]),
+                                                  sdpa=dict(fwd_bwd_peak_mib=peaks[1]),
+                                                  ratio_to_sdpa=dict(fwd=ratios[0], fwd_bwd=ratios[1])))  # fmt: skip
     targets = gpu_check.judge_targets(sections, ["attention", "train", "compile", "decode"])
-    assert [target["passed"] for target in targets] == [False, True, True, True, False, False]
+    assert [target["passed"] for target in targets] == [False, True, True, False, True, True, False, True, True,
+                                                        False, False]  # fmt: skip
     assert targets[0]["line"].startswith("FAIL llama-125m training step <= 1.3") and targets[0]["value"] == 1.4
-    assert "gpt2/plat-gpt2/batch1" in targets[5]["value"]
+    assert targets[2]["line"] == "PASS 4k attention forward <= 2.0 x SDPA (default backend): 1.9"
+    assert targets[6]["value"] == {"4k": 1.01, "4k-d128": 1.056, "16k": 1.34}
+    assert "gpt2/plat-gpt2/batch1" in targets[10]["value"]
     failures = gpu_check.collect_failures(sections, targets)
     assert failures[0] == "compile plat-ptb-tiny/train-step-cuda-graphs: RuntimeError: x"
-    assert len(failures) == 1 + 3
+    assert len(failures) == 1 + 5
+    # Peak memory is judged only when every shape measured it.
+    del sections["attention"]["rows"][-1]["sdpa"]
+    assert gpu_check.peak_memory_target(sections) == ({"4k": 1.01, "4k-d128": 1.056}, None)
     # Only the requested sections' targets; a requested section that did not run measures nothing.
     skipped = dict(train=dict(status="skipped", reason="budget"))
     (only,) = gpu_check.judge_targets(skipped, ["train"])[:1]
