@@ -106,6 +106,14 @@ REGISTRY = {
 BACKENDS = ("auto", *REGISTRY)
 
 
+# Dynamo before PyTorch 2.13 folds torch.compiler.is_exporting() to True in anything torch.compile traces, which made
+# every compiled model run the eager reference. Called here, the flag is read in plain Python while tracing: True
+# under torch.export alone (which sets it around its trace).
+@torch.compiler.assume_constant_result
+def _exporting():
+    return torch.compiler.is_exporting()
+
+
 def preference(query, key, platform):
     """Backends "auto" tries on this ``Platform``, fastest first (measured: `python benchmarks/bench_attention.py`).
 
@@ -113,7 +121,7 @@ def preference(query, key, platform):
     inputs, tiled (O(N) memory) above. While ``torch.export`` traces, the eager reference: plain tensor
     operations with no size-dependent Python loop.
     """
-    if torch.compiler.is_exporting():
+    if _exporting():
         return ("eager",)
     if query.shape[-2] <= DECODE_MAX_QUERIES:
         return ("decode", "eager")

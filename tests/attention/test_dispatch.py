@@ -89,13 +89,22 @@ def test_fallback_from_the_fused_kernels_is_logged_once_per_reason():
     assert captured.out == ""
 
 
+def exporting_as_dynamo_before_2_13():
+    """torch.compiler.is_exporting as Dynamo of PyTorch < 2.13 traced it: True in code that torch.compile traces
+    (is_dynamo_compiling() is folded to True there), the flag itself when called in plain Python."""
+    exporting = torch.compiler.is_exporting
+    return lambda: torch.compiler.is_dynamo_compiling() or exporting()
+
+
 @needs_triton
 @pytest.mark.parametrize("shape", TEXT_SHAPES)
 def test_traced_choice_is_the_eager_choice_on_cuda(monkeypatch, shape):
     """With a GPU's platform, a training step compiled with fullgraph=True runs exactly the backends that eager mode
-    runs, the fused kernels for the p != 2 heads, with no call that Dynamo cannot trace (it would fail fullgraph)."""
+    runs, the fused kernels for the p != 2 heads, with no call that Dynamo cannot trace (it would fail fullgraph);
+    also where Dynamo reads is_exporting() as True under torch.compile (PyTorch < 2.13: it once chose eager there)."""
     if not ON_CUDA:
         monkeypatch.setattr(dispatch, "device_platform", lambda device_type, device_index: HOPPER)
+    monkeypatch.setattr(torch.compiler, "is_exporting", exporting_as_dynamo_before_2_13())
     names = record_chosen_backends(monkeypatch)
     model = tiny_model(shape).train()
     inputs = model_inputs(shape)
