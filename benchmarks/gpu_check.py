@@ -26,8 +26,9 @@ Sections, each a list of JSON rows in the record (a row that failed says why in 
   backward; softmax 2 and 7; causal shapes count half).
 - kernels: the GPU kernels of one bfloat16 plap_attention forward + backward, by name, from torch.profiler: launches
   per call, microseconds per call and per launch in launch order (a kernel's first pass, then its exact pass), at the
-  kernel-speed shapes (4k, 4k-d128, 16k, paper mix) and at 4k with every head at p = 1.5 (one launch per kernel):
-  what benchmarks/gpu_time_model.py is calibrated on.
+  paper LM's and the kernel-speed shapes (4k, 4k-d128, 16k, paper mix) and at 4k with every head at p = 1.5 (one
+  launch per kernel): what benchmarks/gpu_time_model.py is calibrated on; and the host time of a call, in all and in
+  the Triton launches (the part a synchronised call's GPU waits for before its first kernel).
 - train: optimizer steps (forward, backward, AdamW) under bf16 autocast of benchmarks/bench_train_step.py's
   vision (DeiT-tiny), lm (the paper's LM) and llama-125m (12 x 768, 8 x 1024 tokens) pairs, p-LaT against
   transformers' twins with SDPA (its default backend); medians after warm-up, peak memory.
@@ -112,7 +113,7 @@ KERNEL_SPEED_SHAPES = ("4k", "4k-d128", "16k")
 PEAK_MEMORY_LIMIT = 1.2
 # name: (shape, p per head: None for the paper's mix) of the kernels section.
 KERNEL_CASES = {
-    **{name: (ATTENTION_SHAPES[name], None) for name in KERNEL_SPEED_SHAPES},
+    **{name: (ATTENTION_SHAPES[name], None) for name in ("paper-lm", *KERNEL_SPEED_SHAPES)},
     "4k-p1.5": (ATTENTION_SHAPES["4k"], 1.5),
 }
 # label: the SDPBackend scaled_dot_product_attention is restricted to (None: its own choice).
@@ -506,6 +507,35 @@ def kernel_times(call, device, repeats):
     return kernels
 
 
+def host_times(call, device, repeats):
+    """Host microseconds of one call() (median; the GPU idle at its start, as the timed rows' calls find it) and of
+    the Triton launches in it (the backend's ``_run``, each kernel's argument handling and launch)."""
+    triton_module = importlib.import_module("modeling_plat.plap_attention_triton")
+    original, launches = triton_module._run, []
+
+    def timed_run(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            launches[-1].append(time.perf_counter() - start)
+
+    triton_module._run = timed_run
+    calls = []
+    try:
+        for _ in range(repeats):
+            synchronize(device)
+            launches.append([])
+            start = time.perf_counter()
+            call()
+            calls.append(time.perf_counter() - start)
+    finally:
+        triton_module._run = original
+    synchronize(device)
+    return dict(call_us=statistics.median(calls) * 1e6, launches=len(launches[-1]),
+                launch_us=statistics.median(sum(times) for times in launches) * 1e6)  # fmt: skip
+
+
 def kernels_section(device, log, cases=KERNEL_CASES, repeats=5):
     rows = []
     for name, ((batch, heads, length, head_dim, causal), p) in cases.items():
@@ -516,16 +546,20 @@ def kernels_section(device, log, cases=KERNEL_CASES, repeats=5):
         p_heads = tuple(paper_p_mix(heads)) if p is None else (p,) * heads
         row = dict(name=name, batch=batch, heads=heads, length=length, head_dim=head_dim, causal=causal,
                    p=sorted(set(p_heads)))  # fmt: skip
+        def call():
+            torch.autograd.grad(plap_attention(q, k, v, p_heads, is_causal=causal), (q, k, v), grad_out)
+
         try:
             with backend_spy() as chosen:
-                row["kernels"] = kernel_times(
-                    lambda: torch.autograd.grad(plap_attention(q, k, v, p_heads, is_causal=causal), (q, k, v),
-                                                grad_out), device, repeats)  # fmt: skip
+                row["kernels"] = kernel_times(call, device, repeats)
+                row["host"] = host_times(call, device, repeats)
             row["backends"] = dict(chosen)
             row["total_us"] = sum(kernel["us"] for kernel in row["kernels"].values())
             top = sorted(row["kernels"].items(), key=lambda item: -item[1]["us"])[:4]
             log(f"kernels {name}: {row['total_us']:.0f} us, " + ", ".join(f"{kernel} {times['us']:.0f}"
-                                                                          for kernel, times in top))  # fmt: skip
+                                                                          for kernel, times in top)
+                + f"; host {row['host']['call_us']:.0f} us, {row['host']['launch_us']:.0f} in "
+                  f"{row['host']['launches']} Triton launches")  # fmt: skip
         except Exception as error:
             row.update(error_fields(error))
         rows.append(row)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import gpu_check
+from modeling_plat import plap_attention
 from modeling_plat import plap_attention_triton as triton_module
 from plat_train.presets import resolve_config_name
 
@@ -155,8 +156,6 @@ def test_sweep_in_a_spawned_worker():
 
 
 def test_backend_spy_counts_the_dispatchers_choices_and_restores_it():
-    from modeling_plat import plap_attention
-
     module = sys.modules["modeling_plat.plap_attention"]
     original = module.choose_backend
     q = torch.randn(1, 2, 8, 4)
@@ -192,9 +191,23 @@ def test_kernels_section_on_cpu():
     cases = {"tiny": ((1, 2, 24, 8, True), None), "tiny-p1.5": ((1, 2, 24, 8, True), 1.5)}
     mixed, single = gpu_check.kernels_section(CPU, quiet, cases=cases, repeats=2)
     assert mixed["p"] == [1.5, 2.5] and single["p"] == [1.5]
-    assert "failures" not in mixed and mixed["backends"] == {"eager": 3}  # the first call, then two profiled
+    assert "failures" not in mixed and mixed["backends"] == {"eager": 5}  # the first call, two profiled, two timed
     assert mixed["total_us"] == sum(kernel["us"] for kernel in mixed["kernels"].values()) > 0
     assert mixed["kernels"]["aten::bmm"]["launches"] >= 1
+    assert mixed["host"]["call_us"] > 0 and mixed["host"]["launches"] == 0  # eager: no Triton launch
+
+
+@pytest.mark.skipif(not triton_module.INTERPRETED, reason="the Triton backend runs on CPU only under the interpreter")
+def test_host_times_count_the_triton_launches():
+    q, k, v = (torch.randn(1, 2, 24, 8, requires_grad=True) for _ in range(3))
+
+    def call():
+        torch.autograd.grad(plap_attention(q, k, v, (1.5, 2.5), is_causal=True, backend="triton").sum(), (q, k, v))
+
+    host = gpu_check.host_times(call, CPU, repeats=2)
+    # One launch of both p: the forward's two passes, two row dots, dK/dV's and dQ's two passes each.
+    assert host["launches"] == 8 and 0 < host["launch_us"] < host["call_us"]
+    assert triton_module._run.__name__ == "_run"  # restored
 
 
 def test_train_section_on_cpu():
