@@ -160,9 +160,9 @@ def test_peak_bytes_are_what_the_backend_holds(model):
 
 @pytest.mark.slow
 def test_calibration_reproduces_the_fitted_constants(model, capsys):
-    """--calibrate compiles the measured commit's kernels and refits: the module's constants are what it finds,
-    every fitted kernel time is predicted within 25% (dK/dV at head size 128 is the farthest, -22%), and that commit's
-    peak memory within 2%."""
+    """--calibrate compiles the measured commits' kernels and refits: the module's constants are what it finds,
+    every fitted kernel time is predicted within 20% (dK/dV at head size 128 of 059074d is the farthest, -16%), and
+    that commit's peak memory within 2%."""
     if shutil.which("git") is None or not (BENCHMARKS.parent / ".git").exists():
         pytest.skip("needs the repository's history")
     ready, bandwidth = model.calibrate()  # compiles in a child process, without the interpreter
@@ -170,7 +170,7 @@ def test_calibration_reproduces_the_fitted_constants(model, capsys):
     assert bandwidth == pytest.approx(model.AUXILIARY_BANDWIDTH, rel=0.01)
     out = capsys.readouterr().out
     errors = [float(line.split()[-1].rstrip("%")) for line in out.splitlines()
-              if line.split()[:1] in (["fwd"], ["dkdv"], ["dq"]) and "not fitted" not in line]  # fmt: skip
-    assert len(errors) == 8 and all(abs(error) <= 25 for error in errors), errors
+              if line.split()[1:2] in (["fwd"], ["dkdv"], ["dq"]) and "not fitted" not in line]  # fmt: skip
+    assert len(errors) == 17 and all(abs(error) <= 20 for error in errors), errors
     peaks = [float(line.split()[-1].strip("()%+")) for line in out.splitlines() if "MiB against" in line]
     assert len(peaks) == len(model.MEASURED_PEAK_MIB) and all(abs(error) <= 2 for error in peaks), peaks
