@@ -15,11 +15,14 @@ from transformers import (
     AttentionInterface,
     AttentionMaskInterface,
     AutoConfig,
-    AutoImageProcessor,
     AutoModel,
     AutoModelForCausalLM,
     AutoModelForImageClassification,
 )
+# The class itself: in transformers 5.17 the top-level name is a placeholder needing torchvision (any file mentioning
+# TorchvisionBackend is gated on it), which the plugin does not otherwise need.
+from transformers.models.auto.image_processing_auto import AutoImageProcessor
+
 from .attention_interface import ATTN_IMPLEMENTATION, mark_plap, plap_attention_forward, plap_mask
 from .configuration_plat import PlatConfig, PlatConfigBase, PlatVisionConfig, paper_p_mix
 from .image_processing_plat import PlatImageProcessor
@@ -44,14 +47,17 @@ AutoImageProcessor.register(PlatVisionConfig, image_processor_classes={"pil": Pl
 AttentionInterface.register(ATTN_IMPLEMENTATION, plap_attention_forward)
 AttentionMaskInterface.register(ATTN_IMPLEMENTATION, plap_mask)
 # No video processor: said explicitly, or pipelines look for one in the checkpoint's remote code and prompt for
-# trust_remote_code (their probe derives it from the grayscale image processor's auto_map). The class lives on a
-# private path (transformers' top-level name is a placeholder needing torchvision): skipped if it moves.
+# trust_remote_code (their probe derives it from the grayscale image processor's auto_map; any entry for the config,
+# even an empty one, counts as local code and stops it). Positional None, because register's keywords differ:
+# transformers 5.17 stores the class as given, later versions store {"torchvision": None}, both read as none.
+# The class lives on a private path (transformers' top-level name is a placeholder needing torchvision): skipped if
+# it moves.
 try:
     from transformers.models.auto.video_processing_auto import AutoVideoProcessor
 except ImportError:
     pass
 else:
-    AutoVideoProcessor.register(PlatVisionConfig, video_processor_classes={}, exist_ok=True)
+    AutoVideoProcessor.register(PlatVisionConfig, None, exist_ok=True)
 
 __all__ = [
     "BACKENDS",

@@ -10,7 +10,10 @@ with its tokenizer or image processor and a model card. The library function is
 import argparse
 import sys
 
-from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer
+from transformers import AutoConfig, AutoTokenizer
+# The class itself: in transformers 5.17 the top-level name is a placeholder needing torchvision, which nothing here
+# needs (modeling_plat/__init__.py says more).
+from transformers.models.auto.image_processing_auto import AutoImageProcessor
 
 from modeling_plat.convert import convert_to_plat, plat_config_for
 

@@ -23,7 +23,10 @@ import os
 from dataclasses import dataclass, field
 
 import torch
-from transformers import AutoImageProcessor, HfArgumentParser, ViTImageProcessorPil, set_seed
+from transformers import HfArgumentParser, ViTImageProcessorPil, set_seed
+# The class itself: in transformers 5.17 the top-level name is a placeholder needing torchvision, which nothing here
+# needs (modeling_plat/__init__.py says more).
+from transformers.models.auto.image_processing_auto import AutoImageProcessor
 
 from modeling_plat import PlatImageProcessor
 

@@ -87,6 +87,18 @@ def test_auto_classes_and_pipelines_with_the_plugin(vision_folder):
     torch.testing.assert_close(extracted, features, rtol=1e-4, atol=1e-5)
 
 
+def test_pipelines_do_not_ask_to_trust_remote_code_with_the_plugin(vision_folder, monkeypatch):
+    """Pipelines probe for a video processor; the grayscale processor's auto_map would make them ask whether to run
+    the checkpoint's remote code for one, unless the plugin says there is none (the register call's form differs
+    between transformers versions)."""
+    folder, _, _ = vision_folder
+    asked = []
+    monkeypatch.setattr("builtins.input", lambda question="": asked.append(question) or "n")
+    for task in ("image-classification", "image-feature-extraction"):
+        pipeline(task, model=str(folder), device="cpu")(make_image())
+    assert asked == []
+
+
 # On the CPU (a pipeline takes the first GPU unless told otherwise): the point is loading through remote code on a
 # machine with transformers alone, and the fresh process's outputs are compared with ones computed on a known device.
 WITHOUT_PLUGIN = textwrap.dedent(
