@@ -588,21 +588,11 @@ def _query_loop_bounds(pid_n, num_queries, num_keys, span, BLOCK_M: constexpr, B
 
 
 @jit
-def _pass_tiles(exact_block, plain, masked, EXACT: constexpr):
-    """The tile counts of a program's two loops in this pass: the exact pass runs only the blocks the first flagged."""
-    num_plain, num_masked = plain[0], masked[0]
-    if EXACT:
-        redo = tl.load(exact_block) != 0
-        num_plain, num_masked = tl.where(redo, num_plain, 0), tl.where(redo, num_masked, 0)
-    return num_plain, num_masked
-
-
-@jit
 def _pass_rows(exact_block, has_close, num_rows, EXACT: constexpr):
     """How many rows of its block a program stores in this pass, all or none; the first pass records its flag (1 where
-    a tile had close pairs, whose distances it left expanded)."""
+    a tile had close pairs, whose distances it left expanded). The exact pass runs flagged blocks only."""
     if EXACT:
-        stored = tl.where(tl.load(exact_block) != 0, num_rows, 0)
+        stored = num_rows
     else:
         tl.store(exact_block, has_close)
         stored = tl.where(has_close != 0, 0, num_rows)
@@ -657,6 +647,9 @@ def _plap_fwd_kernel(
     below: never stored.)"""
     pid_m, slab, run_head = _program_ids(num_queries, head_start, run_heads, num_heads, BLOCK_M, IS_CAUSAL)
     exact_block = ExactBlocks + slab * tl.cdiv(num_queries, BLOCK_M) + pid_m
+    if EXACT:
+        if tl.load(exact_block) == 0:  # not flagged: leave before loading anything (the pass's grid is the first's)
+            return
     use_high, exponent = _head_exponent(run_head, high_heads, exponent_low, exponent_high)
     offset = num_keys - num_queries  # query i is the token at key position offset + i
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -678,7 +671,7 @@ def _plap_fwd_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     plain, masked = _key_loop_bounds(pid_m, num_queries, num_keys, span, BLOCK_M, BLOCK_N, IS_CAUSAL,
                                      HAS_KEY_MASK)  # fmt: skip
-    num_plain, num_masked = _pass_tiles(exact_block, plain, masked, EXACT)
+    num_plain, num_masked = plain[0], masked[0]
     has_close = tl.zeros([], tl.int32)
     for index in range(0, num_plain):
         row_max, row_sum, off_sum, acc, close = _fwd_tile(
@@ -804,6 +797,9 @@ def _plap_bwd_dkdv_kernel(
 ):  # fmt: skip
     pid_n, slab, run_head = _program_ids(num_keys, head_start, run_heads, num_heads, BLOCK_N, False)
     exact_block = ExactBlocks + slab * tl.cdiv(num_keys, BLOCK_N) + pid_n
+    if EXACT:
+        if tl.load(exact_block) == 0:  # not flagged: leave before loading anything (the pass's grid is the first's)
+            return
     use_high, exponent = _head_exponent(run_head, high_heads, exponent_low, exponent_high)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     V += slab * num_keys * VALUE_DIM
@@ -819,7 +815,7 @@ def _plap_bwd_dkdv_kernel(
     grad_dist_sum = tl.zeros([BLOCK_N], tl.float32)
     plain, masked = _query_loop_bounds(pid_n, num_queries, num_keys, span, BLOCK_M, BLOCK_N, IS_CAUSAL,
                                        HAS_KEY_MASK)  # fmt: skip
-    num_plain, num_masked = _pass_tiles(exact_block, plain, masked, EXACT)
+    num_plain, num_masked = plain[0], masked[0]
     has_close = tl.zeros([], tl.int32)
     for index in range(0, num_plain):
         grad_k, grad_v, grad_dist_sum, close = _dkdv_tile(
@@ -877,6 +873,9 @@ def _plap_bwd_dq_kernel(
 ):  # fmt: skip
     pid_m, slab, run_head = _program_ids(num_queries, head_start, run_heads, num_heads, BLOCK_M, IS_CAUSAL)
     exact_block = ExactBlocks + slab * tl.cdiv(num_queries, BLOCK_M) + pid_m
+    if EXACT:
+        if tl.load(exact_block) == 0:  # not flagged: leave before loading anything (the pass's grid is the first's)
+            return
     use_high, exponent = _head_exponent(run_head, high_heads, exponent_low, exponent_high)
     offset = num_keys - num_queries
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -895,7 +894,7 @@ def _plap_bwd_dq_kernel(
     grad_dist_sum = tl.zeros([BLOCK_M], tl.float32)
     plain, masked = _key_loop_bounds(pid_m, num_queries, num_keys, span, BLOCK_M, BLOCK_N, IS_CAUSAL,
                                      HAS_KEY_MASK)  # fmt: skip
-    num_plain, num_masked = _pass_tiles(exact_block, plain, masked, EXACT)
+    num_plain, num_masked = plain[0], masked[0]
     has_close = tl.zeros([], tl.int32)
     for index in range(0, num_plain):
         grad_q, grad_v_own, grad_dist_sum, close = _dq_tile(
