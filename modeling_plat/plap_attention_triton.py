@@ -50,6 +50,7 @@ imports). On CPU the kernels run under the Triton interpreter when TRITON_INTERP
 module is imported (tests do that).
 """
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -961,10 +962,12 @@ ROW_DOT_ELEMENTS = 4096
 MAX_LAUNCH_HEADS = 32
 
 
+@functools.lru_cache(maxsize=256)  # a model's layers pass the same few tuples at every call
 def launch_groups(p):
-    """(first head, end, low p, high p, high_heads) of each launch: consecutive heads with at most two values of p
-    (the paper's mix is one launch), at most MAX_LAUNCH_HEADS of them; bit h of high_heads (a signed int32) is set
-    where head first + h takes the high p. Each p's power class is a compile-time constant of the kernels."""
+    """(first head, end, low p, high p, high_heads) of each launch, ``p`` a tuple of one float per head: consecutive
+    heads with at most two values of p (the paper's mix is one launch), at most MAX_LAUNCH_HEADS of them; bit h of
+    high_heads (a signed int32) is set where head first + h takes the high p. Each p's power class is a compile-time
+    constant of the kernels."""
     groups = []  # [first, end, {p}]
     for head, value in enumerate(p):
         if groups and head - groups[-1][0] < MAX_LAUNCH_HEADS and len(groups[-1][2] | {value}) <= 2:
@@ -977,18 +980,27 @@ def launch_groups(p):
         low, high = min(values), max(values)
         mask = sum(1 << (head - first) for head in range(first, end) if p[head] == high != low)
         launches.append((first, end, low, high, mask - (1 << 32) if mask >= 1 << 31 else mask))
-    return launches
+    return tuple(launches)
 
 
-def _launches(kernel, config, rows, query, key, value, tensors, p, is_causal, has_key_mask, has_documents, euler,
-              eps):  # fmt: skip
-    """The launches of ``kernel`` per group of heads, its first pass then its exact pass; ``rows`` is the length of
-    the side its blocks tile."""
+def _ceil_div(a, b):
+    return -(-a // b)
+
+
+def _slab_blocks(kernel, config, num_queries, num_keys):
+    """The blocks of one (batch, head) that ``kernel``'s grid tiles: key blocks for dK/dV, query blocks otherwise."""
+    if kernel is _plap_bwd_dkdv_kernel:
+        return _ceil_div(num_keys, config.block_n)
+    return _ceil_div(num_queries, config.block_m)
+
+
+def _launches(kernel, config, query, key, value, tensors, p, is_causal, has_key_mask, has_documents, euler, eps):
+    """The launches of ``kernel`` per group of heads, its first pass then its exact pass."""
     batch, heads, num_queries, head_dim = query.shape
     num_keys, value_dim = key.shape[2], value.shape[-1]
-    block = config.block_n if kernel is _plap_bwd_dkdv_kernel else config.block_m
+    blocks = _slab_blocks(kernel, config, num_queries, num_keys)
     launches = []
-    for first, end, low, high, high_heads in launch_groups(p):
+    for first, end, low, high, high_heads in launch_groups(tuple(p)):
         meta = dict(HEAD_DIM=head_dim, VALUE_DIM=value_dim, BLOCK_D=padded_head_size(head_dim),
                     BLOCK_DV=padded_head_size(value_dim), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
                     POWER_LOW=POWER_CLASSES.get(low, 0), POWER_HIGH=POWER_CLASSES.get(high, 0), IS_CAUSAL=is_causal,
@@ -996,7 +1008,7 @@ def _launches(kernel, config, rows, query, key, value, tensors, p, is_causal, ha
                     num_stages=config.num_stages)  # fmt: skip
         sizes = (first, end - first, heads, num_queries, num_keys, LOG2_E / math.sqrt(head_dim), (low - 2) / 2,
                  (high - 2) / 2, high_heads, eps)  # fmt: skip
-        grid, args = (triton.cdiv(rows, block) * batch * (end - first),), (*tensors, *sizes)
+        grid, args = (blocks * batch * (end - first),), (*tensors, *sizes)
         first_pass = dict(meta, EXACT=False)
         if config.max_registers and not (has_key_mask or has_documents):
             first_pass["maxnreg"] = config.max_registers
@@ -1015,7 +1027,7 @@ def row_dots_launch(a, b, out):
     num_rows, cols = out.shape[-1], a.shape[-1]
     block_cols = padded_head_size(cols)
     block_rows = max(1, ROW_DOT_ELEMENTS // block_cols)
-    grid = (triton.cdiv(num_rows, block_rows) * out.numel() // max(num_rows, 1),)
+    grid = (_ceil_div(num_rows, block_rows) * out.numel() // max(num_rows, 1),)
     args = (a, b, out, num_rows, a.shape[-2], a.shape[-2] - num_rows, b.shape[-2], b.shape[-2] - num_rows)
     meta = dict(COLS=cols, BLOCK_COLS=block_cols, BLOCK_ROWS=block_rows, num_warps=4, num_stages=1)
     return Launch(_row_dots_kernel, grid, args, meta)
@@ -1030,15 +1042,16 @@ def forward_launches(query, key, value, sq_norms, key_keep, documents, out, lse,
     tensors = (query, key, value, sq_norms, *_masks(sq_norms, key_keep, documents), out, lse, own_weight,
                exact_blocks)  # fmt: skip
     flags = (p, is_causal, key_keep is not None, documents is not None, euler, eps)
-    return _launches(_plap_fwd_kernel, config.fwd, query.shape[2], query, key, value, tensors, *flags)
+    return _launches(_plap_fwd_kernel, config.fwd, query, key, value, tensors, *flags)
 
 
 def exact_block_counts(query, key, config):
     """The blocks of the forward's, dk/dv's and dq's grids over every (batch, head): one flag each between a kernel's
     two passes."""
     slabs = query.shape[0] * query.shape[1]
-    return (slabs * triton.cdiv(query.shape[2], config.fwd.block_m), slabs * triton.cdiv(key.shape[2],
-            config.dkdv.block_n), slabs * triton.cdiv(query.shape[2], config.dq.block_m))  # fmt: skip
+    return tuple(slabs * _slab_blocks(kernel, kernel_config, query.shape[2], key.shape[2]) for kernel, kernel_config in
+                 ((_plap_fwd_kernel, config.fwd), (_plap_bwd_dkdv_kernel, config.dkdv), (_plap_bwd_dq_kernel,
+                                                                                         config.dq)))  # fmt: skip
 
 
 def backward_launches(
@@ -1050,9 +1063,8 @@ def backward_launches(
     inputs = (query, key, value, sq_norms, *_masks(sq_norms, key_keep, documents), grad_out, lse, delta, own_dot)
     flags = (p, is_causal, key_keep is not None, documents is not None, euler, eps)
     dkdv_blocks, dq_blocks = exact_blocks
-    dkdv = (_plap_bwd_dkdv_kernel, config.dkdv, key.shape[2], query, key, value, (*inputs, grad_k, grad_v, dkdv_blocks))
-    dq = (_plap_bwd_dq_kernel, config.dq, query.shape[2], query, key, value,
-          (*inputs, own_weight, grad_q, grad_v, dq_blocks))  # fmt: skip
+    dkdv = (_plap_bwd_dkdv_kernel, config.dkdv, query, key, value, (*inputs, grad_k, grad_v, dkdv_blocks))
+    dq = (_plap_bwd_dq_kernel, config.dq, query, key, value, (*inputs, own_weight, grad_q, grad_v, dq_blocks))
     return _launches(*dkdv, *flags) + _launches(*dq, *flags)
 
 
