@@ -109,7 +109,7 @@ ATTENTION_SHAPES = {
 }
 # The kernel-speed targets against SDPA's default backend: (shape, fwd or fwd_bwd, limit), and peak memory.
 KERNEL_SPEED_TARGETS = [("4k", "fwd", 2.0), ("4k", "fwd_bwd", 2.5), ("4k-d128", "fwd_bwd", 3.0), ("16k", "fwd_bwd", 2.5)]
-KERNEL_SPEED_SHAPES = ("4k", "4k-d128", "16k")
+KERNEL_SPEED_SHAPES = tuple(dict.fromkeys(name for name, _, _ in KERNEL_SPEED_TARGETS))
 PEAK_MEMORY_LIMIT = 1.2
 # name: (shape, p per head: None for the paper's mix) of the kernels section.
 KERNEL_CASES = {
@@ -438,12 +438,17 @@ def attention_timings(call, inputs, grad_out, work, floor, device, warmup, repea
                 fwd_bwd_peak_mib=peak_memory_mib(forward_backward, device))  # fmt: skip
 
 
-def attention_row(name, shape, device, warmup, repeats):
-    batch, heads, length, head_dim, causal = shape
+def bf16_attention_inputs(batch, heads, length, head_dim, device):
+    """Seeded bfloat16 q, k, v (requiring grad) and dU of one attention shape."""
     gen = torch.Generator(device=device).manual_seed(0)
     q, k, v = (torch.randn(batch, heads, length, head_dim, generator=gen, device=device, dtype=torch.bfloat16)
                .requires_grad_() for _ in range(3))  # fmt: skip
-    grad_out = torch.randn(q.shape, generator=gen, device=device, dtype=torch.bfloat16)
+    return q, k, v, torch.randn(q.shape, generator=gen, device=device, dtype=torch.bfloat16)
+
+
+def attention_row(name, shape, device, warmup, repeats):
+    batch, heads, length, head_dim, causal = shape
+    q, k, v, grad_out = bf16_attention_inputs(batch, heads, length, head_dim, device)
     p = tuple(paper_p_mix(heads))
     work = batch * heads * length * length * (0.5 if causal else 1.0) * head_dim
     row = dict(name=name, batch=batch, heads=heads, length=length, head_dim=head_dim, causal=causal)
@@ -539,13 +544,11 @@ def host_times(call, device, repeats):
 def kernels_section(device, log, cases=KERNEL_CASES, repeats=5):
     rows = []
     for name, ((batch, heads, length, head_dim, causal), p) in cases.items():
-        gen = torch.Generator(device=device).manual_seed(0)
-        q, k, v = (torch.randn(batch, heads, length, head_dim, generator=gen, device=device, dtype=torch.bfloat16)
-                   .requires_grad_() for _ in range(3))  # fmt: skip
-        grad_out = torch.randn(q.shape, generator=gen, device=device, dtype=torch.bfloat16)
+        q, k, v, grad_out = bf16_attention_inputs(batch, heads, length, head_dim, device)
         p_heads = tuple(paper_p_mix(heads)) if p is None else (p,) * heads
         row = dict(name=name, batch=batch, heads=heads, length=length, head_dim=head_dim, causal=causal,
                    p=sorted(set(p_heads)))  # fmt: skip
+
         def call():
             torch.autograd.grad(plap_attention(q, k, v, p_heads, is_causal=causal), (q, k, v), grad_out)
 
