@@ -10,7 +10,8 @@ instructions are counted per score, that is divided by the scores one thread han
 (BLOCK_M * BLOCK_N / (32 * num_warps)), so that tiles that repeat work across warps count it, on the common path:
 without the block its largest forward branch jumps over, the direct differences of a tile with close pairs of
 values (``rare`` in the table: what such a tile adds per score). ``spill`` counts ptxas' spill stores of the whole
-kernel, ``loop`` the spill instructions inside the main loop.
+kernel, ``loop`` the spill instructions inside the main loop (a reload of a value spilled before the loop costs an
+issue slot and an L1 hit; a spill store inside it, a round trip per iteration).
 
 Estimated time per score (clocks of one SM) = the slowest of the pipes below, each at its published per-SM
 throughput (NVIDIA's H100 and A100 whitepapers: 4 schedulers, 16 SFUs, 128 / 64 FP32 lanes per SM; dense
@@ -174,6 +175,8 @@ def analyse(launch, arch):
     return dict(
         per_score=per_score,
         loop_spills=sum(opcode in ("STL", "LDL") for _, opcode, _, _ in loop),
+        loop_spill_stores=sum(opcode == "STL" for _, opcode, _, _ in loop),
+        loop_spill_share=sum(opcode in ("STL", "LDL") for _, opcode, _, _ in loop) / len(loop),
         **clocks_per_score(per_score, arch),
         **ptxas_usage(log),
         shared=compiled.metadata.shared,
@@ -190,7 +193,7 @@ def baseline_config(triton_module, dtype, head_dim):
 
 
 def plat_launches(triton_module, case, p):
-    """{kernel name: Launch} of the p-Laplacian kernels for one head with this p (the row-dot kernel, which has
+    """{kernel name: Launch} of the p-Laplacian kernels for one head with this p (the squared-norm kernel, which has
     no scores, left out)."""
     from triton_aot import launches
 
@@ -245,7 +248,8 @@ def mix(analyses):
     for pipe in ("issue", "mufu", "fp32", "tensor", "clocks"):
         merged[pipe] = sum(a[pipe] for a in analyses) / len(analyses)
     merged["bound"] = "/".join(sorted({a["bound"] for a in analyses}))
-    for name in ("registers", "spill_stores", "spill_loads", "loop_spills", "shared"):
+    for name in ("registers", "spill_stores", "spill_loads", "loop_spills", "loop_spill_stores", "loop_spill_share",
+                 "shared"):
         merged[name] = max(a[name] or 0 for a in analyses)
     merged["warnings"] = sorted(set().union(*(a["warnings"] for a in analyses)))
     return merged

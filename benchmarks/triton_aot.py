@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Each attention kernel's first pass (the distances' expansion alone), and its exact pass (close pairs by direct
 # differences) as <name>_exact.
-KERNELS = ("fwd", "fwd_exact", "dkdv", "dkdv_exact", "dq", "dq_exact", "row_dots")
+KERNELS = ("fwd", "fwd_exact", "dq", "dq_exact", "dkdv", "dkdv_exact", "sq_norms")
 
 
 def case_kernels(case):
@@ -73,18 +73,19 @@ def launches(triton_module, case):
     sq_norms = torch.zeros(batch, heads, nk)
     key_keep = torch.ones(batch, nk, dtype=torch.int8) if case["key_mask"] else None
     documents = torch.zeros(batch, nk, 3, dtype=torch.int32) if case.get("documents") else None
-    grads = [torch.zeros_like(query), torch.zeros_like(key), torch.zeros(value.shape)]  # as the backend's: dv float32
+    # dq, dk, dv, and dv's query side in float32
+    grads = [torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value), torch.zeros(out.shape)]
     config = triton_module.launch_config(dtype, d, dv, (case["arch"] // 10, case["arch"] % 10))
     flags = (case_p(case), case["is_causal"], 1e-6, case["euler"], config)
     counts = triton_module.exact_block_counts(query, key, config)
     forward = triton_module.forward_launches(query, key, value, sq_norms, key_keep, documents, out, stats, stats,
                                              torch.zeros(counts[0], dtype=torch.int32), *flags)  # fmt: skip
-    backward = triton_module.backward_launches(query, key, value, sq_norms, key_keep, documents, out, stats, stats,
-                                               stats, stats, *grads,
+    backward = triton_module.backward_launches(query, key, value, sq_norms, key_keep, documents, out, out, stats,
+                                               stats, stats, stats, *grads,
                                                [torch.zeros(count, dtype=torch.int32) for count in counts[1:]],
                                                *flags)  # fmt: skip
-    row_dots = triton_module.row_dots_launch(value, value, sq_norms)  # the values' squared norms
-    return zip(KERNELS, (*forward, *backward, row_dots))
+    sq_norms_launch = triton_module.sq_norms_launch(value, sq_norms)
+    return zip(KERNELS, (*forward, *backward, sq_norms_launch))
 
 
 def _compile(launch, arch):

@@ -6,15 +6,15 @@ Same maths and backward as ``plap_attention_tiled`` (see its docstring), with ea
   online softmax (running max and sum in float32); the numerator accumulates exp(s - m) * P @ V, the
   denominator exp(s - m) alone. Saves the output, the row logsumexp (base 2) and, for euler,
   1 - rowsum(W_off).
+- ``_plap_bwd_dq_kernel``: one program per (query block, batch * head), launched first; computes its queries'
+  FlashAttention D = rowsum(dU * U) for the dkdv kernel, loops over key blocks for dq and the query-side part of dv
+  (the distance terms of each query's own value, kept in float32).
 - ``_plap_bwd_dkdv_kernel``: one program per (key block, batch * head); loops over query blocks for dk
-  and the key-side part of dv.
-- ``_plap_bwd_dq_kernel``: one program per (query block, batch * head); loops over key blocks for dq and
-  adds the query-side part of dv (the distance terms of each query's own value) to the rows dkdv wrote.
+  and the key-side part of dv, adds the query side and stores dv once in the values' dtype.
 - Each of the three runs twice over its grid (``EXACT``): a first pass with the distances' expansion alone, where a
   block that meets a close pair (below) stores only a flag, then an exact pass that redoes the flagged blocks. The
   close pairs' direct differences take code and registers that would cut the blocks per SM to one.
-- ``_row_dots_kernel``: float32 dot products of rows, one read of the operands: the values' squared norms before
-  the forward, FlashAttention's D = rowsum(dU * U) before the backward.
+- ``_sq_norms_kernel``: the values' squared norms in float32 before the forward, one read of them.
 
 Built against the static cost model of ``benchmarks/gpu_static_cost.py`` (instructions per score of the main
 loop): scores in log2 units (one exp2 each, log2(e) / sqrt(d) folded into the scale); D2 + eps from the
@@ -746,9 +746,9 @@ def _tile_grads(
 
 @jit
 def _query_side(slab, rows, V, SqNorms, GradOut, Lse, Delta, OwnDot, num_queries, num_keys, eps,
-                VALUE_DIM: constexpr, BLOCK_DV: constexpr):  # fmt: skip
+                VALUE_DIM: constexpr, BLOCK_DV: constexpr, LOAD_STATS: constexpr):  # fmt: skip
     """What a backward tile needs of a block of queries besides q: own values, their squared norms + eps and the
-    block's bound of close pairs, dU, and the row statistics."""
+    block's bound of close pairs, dU, the logsumexp, and (``LOAD_STATS``) the row statistics."""
     offset = num_keys - num_queries
     row_in = rows < num_queries
     stats = slab * num_queries + rows
@@ -756,9 +756,33 @@ def _query_side(slab, rows, V, SqNorms, GradOut, Lse, Delta, OwnDot, num_queries
     sq_query_eps = tl.load(SqNorms + rows + offset, mask=row_in, other=0.0) + eps
     grad_out = _load_rows(GradOut + slab * num_queries * VALUE_DIM, rows, num_queries, VALUE_DIM, BLOCK_DV)
     lse = tl.load(Lse + stats, mask=row_in, other=float("inf"))
-    delta = tl.load(Delta + stats, mask=row_in, other=0.0)
-    own_dot = tl.load(OwnDot + stats, mask=row_in, other=0.0)
+    delta = lse  # not read: the dq kernel computes its own (``_row_stats``)
+    own_dot = lse
+    if LOAD_STATS:
+        delta = tl.load(Delta + stats, mask=row_in, other=0.0)
+        own_dot = tl.load(OwnDot + stats, mask=row_in, other=0.0)
     return v_query, sq_query_eps, _close_bound(sq_query_eps, eps), grad_out, lse, delta, own_dot
+
+
+@jit
+def _row_stats(Out, Delta, OwnDot, slab, rows, grad_out, v_query, num_queries, VALUE_DIM: constexpr,
+               BLOCK_DV: constexpr, EULER: constexpr, EXACT: constexpr):  # fmt: skip
+    """FlashAttention's D = rowsum(dU * U) of the dq kernel's own queries, in float32 from the stored operands;
+    euler subtracts the own-value part dU . v_x (its ``own_dot``), which the paper formulation never reads. The
+    first pass stores them for the dkdv kernel, launched after, whose loops read every query's."""
+    grad_out = grad_out.to(tl.float32)
+    out = _load_rows(Out + slab * num_queries * VALUE_DIM, rows, num_queries, VALUE_DIM, BLOCK_DV)
+    delta = tl.sum(grad_out * out.to(tl.float32), 1)
+    own_dot = delta
+    if EULER:
+        own_dot = tl.sum(grad_out * v_query.to(tl.float32), 1)
+        delta -= own_dot
+    if not EXACT:
+        row_in = rows < num_queries
+        tl.store(Delta + slab * num_queries + rows, delta, mask=row_in)
+        if EULER:
+            tl.store(OwnDot + slab * num_queries + rows, own_dot, mask=row_in)
+    return delta, own_dot
 
 
 @jit
@@ -770,7 +794,7 @@ def _dkdv_tile(grad_k, grad_v, grad_dist_sum, k, values, sq_keys, cols, start, s
     rows = start + tl.arange(0, BLOCK_M)
     q = _load_rows(Q + slab * num_queries * HEAD_DIM, rows, num_queries, HEAD_DIM, BLOCK_D)
     v_query, sq_query_eps, close_bound, grad_out, lse, delta, own_dot = _query_side(
-        slab, rows, V, SqNorms, GradOut, Lse, Delta, OwnDot, num_queries, num_keys, eps, VALUE_DIM, BLOCK_DV
+        slab, rows, V, SqNorms, GradOut, Lse, Delta, OwnDot, num_queries, num_keys, eps, VALUE_DIM, BLOCK_DV, True
     )
     # (keys, queries) tiles
     weights, grad_scores, grad_dist, has_close = _tile_grads(
@@ -789,7 +813,7 @@ def _dkdv_tile(grad_k, grad_v, grad_dist_sum, k, values, sq_keys, cols, start, s
 
 @jit(do_not_specialize=["high_heads"])
 def _plap_bwd_dkdv_kernel(
-    Q, K, V, SqNorms, KeyKeep, Documents, GradOut, Lse, Delta, OwnDot, GradK, GradV, ExactBlocks,
+    Q, K, V, SqNorms, KeyKeep, Documents, GradOut, Lse, Delta, OwnDot, GradVOwn, GradK, GradV, ExactBlocks,
     head_start, run_heads, num_heads, num_queries, num_keys, scale_log2, exponent_low, exponent_high,
     high_heads, eps,
     HEAD_DIM: constexpr, VALUE_DIM: constexpr, BLOCK_D: constexpr, BLOCK_DV: constexpr, BLOCK_M: constexpr,
@@ -837,6 +861,11 @@ def _plap_bwd_dkdv_kernel(
 
     stored_keys = _pass_rows(exact_block, has_close, num_keys, EXACT)
     grad_v -= grad_dist_sum[:, None] * values.to(tl.float32)
+    # The dq kernel, launched before, left each query's own-value part in float32 (the keys at or after the offset
+    # are queries' values); dv is stored once, in the values' dtype.
+    offset = num_keys - num_queries
+    own_ptrs, col_in = _row_ptrs(GradVOwn + slab * num_queries * VALUE_DIM, cols - offset, VALUE_DIM, BLOCK_DV)
+    grad_v += tl.load(own_ptrs, mask=((cols >= offset) & (cols < num_keys))[:, None] & col_in, other=0.0)
     _store_rows(GradK + slab * num_keys * HEAD_DIM, cols, stored_keys, grad_k * (scale_log2 * LN_2), HEAD_DIM,
                 BLOCK_D)  # fmt: skip
     _store_rows(GradV + slab * num_keys * VALUE_DIM, cols, stored_keys, grad_v, VALUE_DIM, BLOCK_DV)
@@ -865,7 +894,7 @@ def _dq_tile(grad_q, grad_v_own, grad_dist_sum, q, v_query, sq_query_eps, close_
 
 @jit(do_not_specialize=["high_heads"])
 def _plap_bwd_dq_kernel(
-    Q, K, V, SqNorms, KeyKeep, Documents, GradOut, Lse, Delta, OwnDot, OwnWeight, GradQ, GradV, ExactBlocks,
+    Q, K, V, SqNorms, KeyKeep, Documents, GradOut, Lse, Delta, OwnDot, Out, OwnWeight, GradQ, GradVOwn, ExactBlocks,
     head_start, run_heads, num_heads, num_queries, num_keys, scale_log2, exponent_low, exponent_high,
     high_heads, eps,
     HEAD_DIM: constexpr, VALUE_DIM: constexpr, BLOCK_D: constexpr, BLOCK_DV: constexpr, BLOCK_M: constexpr,
@@ -878,16 +907,17 @@ def _plap_bwd_dq_kernel(
         if tl.load(exact_block) == 0:  # not flagged: leave before loading anything (the pass's grid is the first's)
             return
     use_high, exponent = _head_exponent(run_head, high_heads, exponent_low, exponent_high)
-    offset = num_keys - num_queries
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     K += slab * num_keys * HEAD_DIM
     V += slab * num_keys * VALUE_DIM
     SqNorms += slab * num_keys
     key_keep_row = KeyKeep + (slab // num_heads) * num_keys
     q = _load_rows(Q + slab * num_queries * HEAD_DIM, rows, num_queries, HEAD_DIM, BLOCK_D)
-    v_query, sq_query_eps, close_bound, grad_out, lse, delta, own_dot = _query_side(
-        slab, rows, V, SqNorms, GradOut, Lse, Delta, OwnDot, num_queries, num_keys, eps, VALUE_DIM, BLOCK_DV
+    v_query, sq_query_eps, close_bound, grad_out, lse, _, _ = _query_side(
+        slab, rows, V, SqNorms, GradOut, Lse, Delta, OwnDot, num_queries, num_keys, eps, VALUE_DIM, BLOCK_DV, False
     )
+    delta, own_dot = _row_stats(Out, Delta, OwnDot, slab, rows, grad_out, v_query, num_queries, VALUE_DIM, BLOCK_DV,
+                                EULER, EXACT)  # fmt: skip
     docs, span = _fixed_documents(Documents, slab, num_heads, rows, num_keys, HAS_DOCUMENTS)
 
     grad_q = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -921,29 +951,19 @@ def _plap_bwd_dq_kernel(
                 BLOCK_D)  # fmt: skip
     # dv_x += 2 sum_y dL/dD2 (v_x - v_y), plus for euler the direct dU_x (1 - rowsum W_off).
     grad_v_own -= grad_dist_sum[:, None] * v_query.to(tl.float32)
-    row_in = rows < stored_rows
     if EULER:
-        own_weight = tl.load(OwnWeight + slab * num_queries + rows, mask=row_in, other=0.0)
+        own_weight = tl.load(OwnWeight + slab * num_queries + rows, mask=rows < stored_rows, other=0.0)
         grad_v_own += own_weight[:, None] * grad_out.to(tl.float32)
-    # The dkdv kernel, launched before, wrote these rows; each program here owns its own rows.
-    grad_v_ptrs, col_in = _row_ptrs(GradV + slab * num_keys * VALUE_DIM, rows + offset, VALUE_DIM, BLOCK_DV)
-    vmask = row_in[:, None] & col_in
-    tl.store(grad_v_ptrs, tl.load(grad_v_ptrs, mask=vmask, other=0.0) + grad_v_own, mask=vmask)
+    _store_rows(GradVOwn + slab * num_queries * VALUE_DIM, rows, stored_rows, grad_v_own, VALUE_DIM, BLOCK_DV)
 
 
 @jit
-def _row_dots_kernel(A, B, Out, num_rows, a_rows, a_offset, b_rows, b_offset, COLS: constexpr,
-                     BLOCK_COLS: constexpr, BLOCK_ROWS: constexpr):  # fmt: skip
-    """Out[s, r] = sum_c A[s, a_offset + r, c] B[s, b_offset + r, c] in float32, for every slab s of contiguous
-    (slabs, a_rows, COLS) and (slabs, b_rows, COLS) tensors and r < num_rows: the squared norms of the values, and
-    the backward's row statistics, each one read of its operands (no float32 copies)."""
-    pid = tl.program_id(0)
-    blocks = tl.cdiv(num_rows, BLOCK_ROWS)
-    slab = (pid // blocks).to(tl.int64)
-    rows = pid % blocks * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-    a = _load_rows(A + slab * a_rows * COLS, rows + a_offset, a_rows, COLS, BLOCK_COLS).to(tl.float32)
-    b = _load_rows(B + slab * b_rows * COLS, rows + b_offset, b_rows, COLS, BLOCK_COLS).to(tl.float32)
-    tl.store(Out + slab * num_rows + rows, tl.sum(a * b, 1), mask=rows < num_rows)
+def _sq_norms_kernel(V, Out, num_rows, COLS: constexpr, BLOCK_COLS: constexpr, BLOCK_ROWS: constexpr):
+    """Out[r] = sum_c V[r, c]^2 in float32 for the rows r < num_rows of a contiguous (num_rows, COLS) tensor: the
+    values' squared norms, one read of them (no float32 copy)."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    values = _load_rows(V, rows, num_rows, COLS, BLOCK_COLS).to(tl.float32)
+    tl.store(Out + rows, tl.sum(values * values, 1), mask=rows < num_rows)
 
 
 class Launch(NamedTuple):
@@ -956,8 +976,8 @@ class Launch(NamedTuple):
     meta: dict
 
 
-# Elements of a and b per program of the row-dot kernel (a block of rows).
-ROW_DOT_ELEMENTS = 4096
+# Elements of the values per program of the squared-norm kernel (a block of rows).
+SQ_NORM_ELEMENTS = 4096
 # Heads of one launch: bit h of an int32 says which of the launch's two p head first + h takes.
 MAX_LAUNCH_HEADS = 32
 
@@ -1021,16 +1041,14 @@ def _masks(sq_norms, key_keep, documents):
     return tuple(sq_norms if mask is None else mask for mask in (key_keep, documents))
 
 
-def row_dots_launch(a, b, out):
-    """The launch of ``out`` (slabs, N) = the float32 dot products of the last N rows of ``a`` and ``b``, contiguous
-    (..., rows, C) tensors of the same slabs and C (a row block of ROW_DOT_ELEMENTS per program)."""
-    num_rows, cols = out.shape[-1], a.shape[-1]
+def sq_norms_launch(value, out):
+    """The launch of ``out`` (..., N) = the float32 squared norms of the rows of ``value``, contiguous (..., N, C) (a
+    row block of SQ_NORM_ELEMENTS per program)."""
+    num_rows, cols = out.numel(), value.shape[-1]
     block_cols = padded_head_size(cols)
-    block_rows = max(1, ROW_DOT_ELEMENTS // block_cols)
-    grid = (_ceil_div(num_rows, block_rows) * out.numel() // max(num_rows, 1),)
-    args = (a, b, out, num_rows, a.shape[-2], a.shape[-2] - num_rows, b.shape[-2], b.shape[-2] - num_rows)
+    block_rows = max(1, SQ_NORM_ELEMENTS // block_cols)
     meta = dict(COLS=cols, BLOCK_COLS=block_cols, BLOCK_ROWS=block_rows, num_warps=4, num_stages=1)
-    return Launch(_row_dots_kernel, grid, args, meta)
+    return Launch(_sq_norms_kernel, (_ceil_div(num_rows, block_rows),), (value, out, num_rows), meta)
 
 
 def forward_launches(query, key, value, sq_norms, key_keep, documents, out, lse, own_weight, exact_blocks, p,
@@ -1055,17 +1073,19 @@ def exact_block_counts(query, key, config):
 
 
 def backward_launches(
-    query, key, value, sq_norms, key_keep, documents, grad_out, lse, delta, own_dot, own_weight, grad_q, grad_k,
-    grad_v, exact_blocks, p, is_causal, eps, euler, config,
+    query, key, value, sq_norms, key_keep, documents, grad_out, out, lse, delta, own_dot, own_weight, grad_q, grad_k,
+    grad_v, grad_v_own, exact_blocks, p, is_causal, eps, euler, config,
 ):  # fmt: skip
-    """The dk/dv launches, then the dq launches (which add to the dv rows of each query's own value), each kernel's
-    first pass then its exact one; ``exact_blocks`` are two int32 tensors of ``exact_block_counts(...)[1:]`` flags."""
+    """The dq launches, then the dk/dv launches, each kernel's first pass then its exact one. dq's first pass writes
+    the row statistics ``delta`` and (euler) ``own_dot``, (B, H, Nq) float32, and each query's own-value part of dv
+    to ``grad_v_own``, (B, H, Nq, dv) float32, which the dk/dv kernel adds to the key side as it stores ``grad_v``;
+    ``exact_blocks`` are two int32 tensors of ``exact_block_counts(...)[1:]`` flags."""
     inputs = (query, key, value, sq_norms, *_masks(sq_norms, key_keep, documents), grad_out, lse, delta, own_dot)
     flags = (p, is_causal, key_keep is not None, documents is not None, euler, eps)
     dkdv_blocks, dq_blocks = exact_blocks
-    dkdv = (_plap_bwd_dkdv_kernel, config.dkdv, query, key, value, (*inputs, grad_k, grad_v, dkdv_blocks))
-    dq = (_plap_bwd_dq_kernel, config.dq, query, key, value, (*inputs, own_weight, grad_q, grad_v, dq_blocks))
-    return _launches(*dkdv, *flags) + _launches(*dq, *flags)
+    dq = (_plap_bwd_dq_kernel, config.dq, query, key, value, (*inputs, out, own_weight, grad_q, grad_v_own, dq_blocks))
+    dkdv = (_plap_bwd_dkdv_kernel, config.dkdv, query, key, value, (*inputs, grad_v_own, grad_k, grad_v, dkdv_blocks))
+    return _launches(*dq, *flags) + _launches(*dkdv, *flags)
 
 
 def _run(launch, query, value):
@@ -1134,7 +1154,7 @@ def _fused_forward(
     sq_norms = torch.empty(value.shape[:3], device=value.device, dtype=torch.float32)  # (B, H, Nk)
     config = _unflat(config)
     exact_blocks = torch.empty(exact_block_counts(query, key, config)[0], device=query.device, dtype=torch.int32)
-    for launch in [row_dots_launch(value, value, sq_norms)] + forward_launches(
+    for launch in [sq_norms_launch(value, sq_norms)] + forward_launches(
         query, key, value, sq_norms, key_keep, documents, out, lse, own_weight if euler else lse, exact_blocks,
         tuple(p), is_causal, eps, euler, config,
     ):  # fmt: skip
@@ -1171,28 +1191,20 @@ def _fused_backward(
     config: list[int],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     grad_out = grad_out.contiguous()
-    # FlashAttention's D = rowsum(dU * U), (B, H, Nq) in float32; euler subtracts the own-value part dU . v_x, which
-    # the paper formulation never reads (its kernels get D in its place: no kernels spent on it).
-    delta = torch.empty(query.shape[:3], device=query.device, dtype=torch.float32)
-    _run(row_dots_launch(grad_out, out, delta), query, value)
-    own_dot = delta
-    if euler:
-        own_dot = torch.empty_like(delta)
-        _run(row_dots_launch(grad_out, value, own_dot), query, value)  # value's last Nq rows: the queries' own
-        delta = delta - own_dot
-    # dq and dk are stored once, cast in the kernels' store; the dq kernel adds to the dv rows of each query's own
-    # value after the dkdv kernel wrote them, so dv stays float32 until the end.
-    grad_q, grad_k = torch.empty_like(query), torch.empty_like(key)
-    grad_v = torch.empty(value.shape, device=query.device, dtype=torch.float32)
+    delta = torch.empty(query.shape[:3], device=query.device, dtype=torch.float32)  # written by the dq kernel
+    own_dot = torch.empty_like(delta) if euler else delta  # the paper formulation's kernels never read it
+    grad_q, grad_k, grad_v = torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
+    grad_v_own = torch.empty(out.shape, device=query.device, dtype=torch.float32)
     config = _unflat(config)
     exact_blocks = [torch.empty(count, device=query.device, dtype=torch.int32)
                     for count in exact_block_counts(query, key, config)[1:]]  # fmt: skip
     for launch in backward_launches(
-        query, key, value, sq_norms, key_keep, documents, grad_out, lse, delta, own_dot,
-        own_weight if euler else lse, grad_q, grad_k, grad_v, exact_blocks, tuple(p), is_causal, eps, euler, config,
+        query, key, value, sq_norms, key_keep, documents, grad_out, out, lse, delta, own_dot,
+        own_weight if euler else lse, grad_q, grad_k, grad_v, grad_v_own, exact_blocks, tuple(p), is_causal, eps,
+        euler, config,
     ):  # fmt: skip
         _run(launch, query, value)
-    return grad_q, grad_k, grad_v.to(value.dtype)
+    return grad_q, grad_k, grad_v
 
 
 _backward_op = torch.library.custom_op(op_name(__name__, "backward"), mutates_args=())(_fused_backward)

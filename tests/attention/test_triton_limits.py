@@ -205,11 +205,11 @@ def test_the_paper_mix_is_one_launch_per_kernel():
     counts = triton_module.exact_block_counts(query, query, triton_module.INTERPRETER_CONFIG)
     forward = triton_module.forward_launches(query, query, query, sq_norms, None, None, query, stats, stats,
                                              torch.zeros(counts[0]), *flags)  # fmt: skip
-    backward = triton_module.backward_launches(query, query, query, sq_norms, None, None, query, stats, stats, stats,
-                                               stats, query, query, query, [torch.zeros(n) for n in counts[1:]],
-                                               *flags)  # fmt: skip
+    backward = triton_module.backward_launches(query, query, query, sq_norms, None, None, query, query, stats, stats,
+                                               stats, stats, query, query, query, query,
+                                               [torch.zeros(n) for n in counts[1:]], *flags)  # fmt: skip
     assert [(launch.kernel.__name__, launch.meta["EXACT"]) for launch in forward + backward] == [
-        (f"_plap_{kernel}_kernel", exact) for kernel in ("fwd", "bwd_dkdv", "bwd_dq") for exact in (False, True)
+        (f"_plap_{kernel}_kernel", exact) for kernel in ("fwd", "bwd_dq", "bwd_dkdv") for exact in (False, True)
     ]  # fmt: skip
     for launch in forward + backward:
         assert (launch.meta["POWER_LOW"], launch.meta["POWER_HIGH"]) == (1, 2)  # both square-root chains compiled

@@ -2,8 +2,9 @@
 
 The interpreter multiplies every tl.dot exactly (and cannot multiply bfloat16 at all). Here its dot is
 replaced by one that rounds as tensor cores do (``emulated_create_dot``): half inputs multiplied exactly,
-float32 inputs rounded to TF32 under input_precision="tf32", split into TF32 parts under "tf32x3". The
-kernels run unchanged, so these tests check which precision each of their matmuls asks for.
+float32 inputs rounded to TF32 under input_precision="tf32", split into TF32 parts under "tf32x3"; and float32 ->
+bfloat16 conversions round to nearest, as on a GPU. The kernels run unchanged, so these tests check which precision
+each of their matmuls asks for.
 """
 
 import numpy as np
@@ -52,9 +53,24 @@ def emulated_create_dot(self, a, b, acc, input_precision, max_num_imprecise_acc)
     return interpreter.TensorHandle(result.astype(acc.data.dtype), acc.dtype.scalar)
 
 
+def emulated_cast(cast):
+    """The interpreter's cast, except float32 -> bfloat16 rounded to nearest even as a GPU's conversion does (the
+    interpreter truncates, twice the error of the kernels' bfloat16 stores)."""
+
+    def cast_impl(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            rounded = torch.from_numpy(np.asarray(src.data, dtype=np.float32)).to(torch.bfloat16)
+            return interpreter.TensorHandle(rounded.view(torch.int16).numpy().view(np.uint16), tl.bfloat16)
+        return cast(self, src, dst_type)
+
+    return cast_impl
+
+
 @pytest.fixture
 def gpu_dots(monkeypatch):
     monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", emulated_create_dot)
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "cast_impl",
+                        emulated_cast(interpreter.InterpreterBuilder.cast_impl))  # fmt: skip
 
 
 def run_kernels(*args, **kwargs):
