@@ -31,6 +31,7 @@ class FusedOp:
         def setup_context(ctx, inputs, output):
             ctx.save_for_backward(*inputs[:num_tensor_inputs], *output)
             ctx.args = inputs[num_tensor_inputs:]
+            ctx.set_materialize_grads(False)  # the other outputs' gradients are never read: no zero tensors (kernels)
 
         def backward_of_op(ctx, grad_out, *grads_of_other_outputs):
             return self.gradients(backward_op, grad_out, ctx.saved_tensors, ctx.args)
@@ -58,6 +59,7 @@ class _EagerAutograd(torch.autograd.Function):
         ctx.fused, ctx.args = fused, inputs[fused.num_tensor_inputs :]
         ctx.save_for_backward(*inputs[: fused.num_tensor_inputs], *outputs)
         ctx.mark_non_differentiable(*outputs[1:])
+        ctx.set_materialize_grads(False)  # the other outputs' gradients are never read: no zero tensors (kernels)
         return outputs
 
     @staticmethod

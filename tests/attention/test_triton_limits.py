@@ -11,6 +11,7 @@ import itertools
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from modeling_plat import plap_attention_triton as triton_module
 from modeling_plat.plap_attention import choose_backend, plap_attention
@@ -194,6 +195,37 @@ def test_launch_groups_cover_every_head_once_with_its_p(p):
     for first, end, low, high, high_heads in groups:
         assert end - first <= triton_module.MAX_LAUNCH_HEADS and -(2**31) <= high_heads < 2**31  # an int32
         assert [high if (high_heads >> (h - first)) & 1 else low for h in range(first, end)] == list(p[first:end])
+
+
+class OpNames(TorchDispatchMode):
+    """The ATen operations that run, by name."""
+
+    def __enter__(self):
+        self.names = []
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.skipif(not triton_module.INTERPRETED, reason="the Triton backend runs on CPU only under the interpreter")
+@pytest.mark.parametrize("formulation", ["paper", "euler"])
+def test_a_call_runs_the_kernels_and_allocations_only(monkeypatch, formulation):
+    """The host work of a bfloat16 forward + backward, launches recorded instead of run: the squared norms, then each
+    kernel's two passes (forward, dQ, dK/dV), and no tensor operation but allocations and views: no cast, row
+    statistic or zero gradient, each of which is a kernel and its host time on a GPU."""
+    launches = []
+    monkeypatch.setattr(triton_module, "_run", lambda launch, query, value: launches.append(launch.kernel.__name__))
+    q, k, v = (torch.randn(2, 4, 40, 16, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    grad = torch.ones(2, 4, 40, 16, dtype=torch.bfloat16)
+    with OpNames() as ops:
+        out = plap_attention(q, k, v, (1.5, 1.5, 2.5, 2.5), is_causal=True, backend="triton", formulation=formulation)
+        grads = torch.autograd.grad(out, (q, k, v), grad)
+    assert launches == ["_sq_norms_kernel"] + [f"_plap_{kernel}_kernel" for kernel in ("fwd", "bwd_dq", "bwd_dkdv")
+                                               for _ in range(2)]  # fmt: skip
+    assert set(ops.names) <= {"empty", "empty_like", "new_empty", "detach"}, ops.names
+    assert [g.dtype for g in grads] == [torch.bfloat16] * 3
 
 
 def test_the_paper_mix_is_one_launch_per_kernel():
