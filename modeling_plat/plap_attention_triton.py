@@ -30,10 +30,10 @@ P and every accumulation are float32. Matmuls of half-precision operands take th
 products). No matmul with a float32 operand runs in plain TF32, whose inputs keep 10 mantissa bits: for
 float32 inputs every matmul is tf32x3 (``FLOAT32_DOT``), v_x.v_y of D2 included; for half inputs the float32
 operand is the distance gradient Gd of Gd V and Gd^T V_q (``_exact_dot``: three bfloat16 parts against bfloat16
-values, two TF32 parts against float16 ones). Gd grows like 1 / (D2 + eps) and its exact row and column sums
-cancel against those matmuls, so that a TF32 rounding of Gd (2^-11) would make dV of coinciding values mostly
-noise. Masks: causal (bottom-right aligned) and key padding (a boolean mask
-broadcastable to (B, 1, 1, Nk)); ``plap_attention`` routes other masks to the tiled backend. Packed rows
+values in the exact passes and two in the first passes, whose pairs are not close; two TF32 parts against float16).
+Gd grows like 1 / (D2 + eps) and its exact row and column sums cancel against those matmuls, so that a TF32 rounding
+of Gd (2^-11) would make dV of coinciding values mostly noise. Masks: causal (bottom-right aligned) and key padding
+(a boolean mask broadcastable to (B, 1, 1, Nk)); ``plap_attention`` routes other masks to the tiled backend. Packed rows
 (``document_ids``, Nq == Nk) are varlen: each fixed block's loop visits only the span of positions its
 documents cover, and a plain tile compares document ids only when its tokens are not all of one document
 (a test per tile, none per score). Lengths need not be multiples of the blocks. The wrapper makes q, k and v
@@ -369,20 +369,25 @@ def _split_high(x, MASK: constexpr):
 
 
 @jit
-def _exact_dot(a, b, acc):
-    """acc + a @ b to float32 accuracy for a float32 ``a`` (a distance gradient) and half-precision ``b``, whose
-    products are exact: ``a`` alone is split. Against bfloat16, into three bfloat16 parts (8 significant bits each,
-    24 in all, float32's): 16-bit operands keep the accumulator's register layout, so that no part is shuffled to
-    another, and a bfloat16 matmul costs half a TF32 one. Against float16, whose range cannot hold ``a``, into TF32
-    parts: two TF32 matmuls, not tf32x3's three."""
+def _exact_dot(a, b, acc, EXACT: constexpr):
+    """acc + a @ b for a float32 ``a`` (a distance gradient) and half-precision ``b``, whose products are exact: ``a``
+    alone is split. Against bfloat16, into bfloat16 parts (8 significant bits each): 16-bit operands keep the
+    accumulator's register layout, so that no part is shuffled to another, and a bfloat16 matmul costs half a TF32
+    one. The exact pass takes three parts (24 bits, float32's): its close pairs' terms cancel against rowsum(a) v by
+    up to 2^22. The first pass takes two (16 bits): its blocks have no close pair, |v_x - v_y| >= 2^-4 |v_x|, so that
+    the cancellation multiplies a's rounding (2^-17) by at most 17, 1.3e-4 of each term, a fifteenth of the bfloat16
+    rounding of the result. Against float16, whose range cannot hold ``a``, into TF32 parts: two TF32 matmuls, not
+    tf32x3's three."""
     if b.dtype == tl.float32:
         acc = tl.dot(a, b, acc, input_precision=FLOAT32_DOT)
     elif b.dtype == tl.bfloat16:
         a_high = _split_high(a, BFLOAT16_MASK)
         rest = a - a_high
-        a_mid = _split_high(rest, BFLOAT16_MASK)
-        acc = tl.dot((rest - a_mid).to(tl.bfloat16), b, acc)  # the smallest part first
-        acc = tl.dot(a_mid.to(tl.bfloat16), b, acc)
+        if EXACT:
+            a_mid = _split_high(rest, BFLOAT16_MASK)
+            acc = tl.dot((rest - a_mid).to(tl.bfloat16), b, acc)  # the smallest part first
+            rest = a_mid
+        acc = tl.dot(rest.to(tl.bfloat16), b, acc)
         acc = tl.dot(a_high.to(tl.bfloat16), b, acc)
     else:
         b = b.to(tl.float32)
@@ -807,7 +812,7 @@ def _dkdv_tile(grad_k, grad_v, grad_dist_sum, k, values, sq_keys, cols, start, s
     # Key side of the distances: dv_y += 2 sum_x dL/dD2 (v_y - v_x) (grad_dist is -2 dL/dD2); the v_y term after the
     # loop.
     grad_dist_sum += tl.sum(grad_dist, 1)
-    grad_v = _exact_dot(grad_dist, v_query, grad_v)
+    grad_v = _exact_dot(grad_dist, v_query, grad_v, EXACT)
     return grad_k, grad_v, grad_dist_sum, has_close
 
 
@@ -887,7 +892,7 @@ def _dq_tile(grad_q, grad_v_own, grad_dist_sum, q, v_query, sq_query_eps, close_
         POWER_HIGH, MASKED, IS_CAUSAL, HAS_KEY_MASK, HAS_DOCUMENTS, EULER, 0, EXACT,
     )  # fmt: skip
     grad_q += tl.dot(grad_scores.to(k.dtype), k, input_precision=FLOAT32_DOT)
-    grad_v_own = _exact_dot(grad_dist, values, grad_v_own)
+    grad_v_own = _exact_dot(grad_dist, values, grad_v_own, EXACT)
     grad_dist_sum += tl.sum(grad_dist, 1)
     return grad_q, grad_v_own, grad_dist_sum, has_close
 

@@ -89,7 +89,7 @@ def test_quick_sweep_compiles_and_stays_under_bounds(tmp_path):
     for kernel, measured in MEASURED_INSTRUCTIONS.items():
         analysis = record["result"][kernel]
         assert analysis["per_score"]["instructions"] <= 1.25 * measured, (kernel, analysis["per_score"])
-        # Spilled values reloaded in the loop (dK/dV's, which stores dv in the values' dtype: 4 of its 611), never stored.
+        # Spilled values may be reloaded in the loop (dK/dV's: 3-4 per iteration), never stored there.
         assert analysis["loop_spill_stores"] == 0 and analysis["loop_spill_share"] <= 0.01, analysis
         assert analysis["mma_kind"] == "wgmma"
     # The forward's first pass under its register cap, unspilled: four blocks of 4 warps per SM.
