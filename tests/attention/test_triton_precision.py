@@ -109,14 +109,18 @@ def value_gradient_error(run, dtype):
     q, k, v = (torch.randn(1, 2, 24, 16, generator=gen) for _ in range(3))
     v[:, :, 1:8] = v[:, :, :1] * (1 + CLUSTER_SCALE[dtype] * torch.randn(1, 2, 7, 16, generator=gen))
     q, k, v = (t.to(dtype).requires_grad_() for t in (q, k, v))
+    return dv_error(run, q, k, v, torch.randn(1, 2, 24, 16, generator=gen))
+
+
+def dv_error(run, q, k, v, grad_out):
+    """Relative error of dV of ``run`` at p = 1.5 and 2.5 against the float64 reference's, for the output gradient
+    ``grad_out`` (cast to the output's dtype for ``run``)."""
     p = torch.tensor([1.5, 2.5])
-    grad_out = torch.randn(1, 2, 24, 16, generator=gen)
     out = run(q, k, v, p)
     grad_v = torch.autograd.grad(out, v, grad_out.to(out.dtype))[0]
     ref_inputs = [t.detach().double().requires_grad_() for t in (q, k, v)]
     ref = reference_plap_attention(*ref_inputs, p.double())
-    ref_grad_v = torch.autograd.grad(ref, ref_inputs[2], grad_out.double())[0]
-    return relative_error(grad_v, ref_grad_v)
+    return relative_error(grad_v, torch.autograd.grad(ref, ref_inputs[2], grad_out.double())[0])
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -144,12 +148,7 @@ def spread_value_gradient_error(run, spread):
     q, k, v = (torch.randn(1, 2, 24, 16, generator=gen) for _ in range(3))
     v = v[:, :, :1] * (1 + spread * torch.randn(1, 2, 24, 16, generator=gen))
     q, k, v = (t.to(torch.bfloat16).requires_grad_() for t in (q, k, v))
-    p = torch.tensor([1.5, 2.5])
-    grad_out = torch.randn(1, 2, 24, 16, generator=gen).to(torch.bfloat16)
-    grad_v = torch.autograd.grad(run(q, k, v, p), v, grad_out)[0]
-    ref_inputs = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    ref = reference_plap_attention(*ref_inputs, p.double())
-    return relative_error(grad_v, torch.autograd.grad(ref, ref_inputs[2], grad_out.double())[0])
+    return dv_error(run, q, k, v, torch.randn(1, 2, 24, 16, generator=gen).to(torch.bfloat16))
 
 
 def test_first_pass_distance_gradient_in_two_bfloat16_parts(gpu_dots, monkeypatch):
