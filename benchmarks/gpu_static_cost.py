@@ -172,11 +172,12 @@ def analyse(launch, arch):
     # run once per program).
     per_score["rare_branch"] = count_loop(loop, scores_per_thread)["instructions"] - per_score["instructions"]
     opcodes = {opcode for _, opcode, _, _ in instructions}
+    loop_spills = sum(opcode in ("STL", "LDL") for _, opcode, _, _ in loop)
     return dict(
         per_score=per_score,
-        loop_spills=sum(opcode in ("STL", "LDL") for _, opcode, _, _ in loop),
+        loop_spills=loop_spills,
         loop_spill_stores=sum(opcode == "STL" for _, opcode, _, _ in loop),
-        loop_spill_share=sum(opcode in ("STL", "LDL") for _, opcode, _, _ in loop) / len(loop),
+        loop_spill_share=loop_spills / len(loop),
         **clocks_per_score(per_score, arch),
         **ptxas_usage(log),
         shared=compiled.metadata.shared,
