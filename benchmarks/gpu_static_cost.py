@@ -194,8 +194,7 @@ def baseline_config(triton_module, dtype, head_dim):
 
 
 def plat_launches(triton_module, case, p):
-    """{kernel name: Launch} of the p-Laplacian kernels for one head with this p (the squared-norm kernel, which has
-    no scores, left out)."""
+    """{kernel name: Launch} of the p-Laplacian kernels' first passes for one head with this p."""
     from triton_aot import launches
 
     return {name: launch for name, launch in launches(triton_module, dict(case, p=p)) if name in KERNEL_ORDER}

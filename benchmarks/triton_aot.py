@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Each attention kernel's first pass (the distances' expansion alone), and its exact pass (close pairs by direct
 # differences) as <name>_exact.
-KERNELS = ("fwd", "fwd_exact", "dq", "dq_exact", "dkdv", "dkdv_exact", "sq_norms")
+KERNELS = ("fwd", "fwd_exact", "dq", "dq_exact", "dkdv", "dkdv_exact")
 
 
 def case_kernels(case):
@@ -84,8 +84,7 @@ def launches(triton_module, case):
                                                stats, stats, stats, *grads,
                                                [torch.zeros(count, dtype=torch.int32) for count in counts[1:]],
                                                *flags)  # fmt: skip
-    sq_norms_launch = triton_module.sq_norms_launch(value, sq_norms)
-    return zip(KERNELS, (*forward, *backward, sq_norms_launch))
+    return zip(KERNELS, (*forward, *backward))
 
 
 def _compile(launch, arch):

@@ -13,8 +13,11 @@ Same maths and backward as ``plap_attention_tiled`` (see its docstring), with ea
   and the key-side part of dv, adds the query side and stores dv once in the values' dtype.
 - Each of the three runs twice over its grid (``EXACT``): a first pass with the distances' expansion alone, where a
   block that meets a close pair (below) stores only a flag, then an exact pass that redoes the flagged blocks. The
-  close pairs' direct differences take code and registers that would cut the blocks per SM to one.
-- ``_sq_norms_kernel``: the values' squared norms in float32 before the forward, one read of them.
+  close pairs' direct differences take code and registers that would cut the blocks per SM to one. Calls of at most
+  ``ONE_PASS_PAIRS`` pairs run the exact pass alone, every block flagged: one launch per kernel, where the GPU would
+  wait for the host's launches rather than for the kernels.
+- The values' squared norms, float32, before the forward: two ATen operations (a norm reduction that reads the
+  values once, and its square), whose host time is a fraction of a Triton launch's.
 
 Built against the static cost model of ``benchmarks/gpu_static_cost.py`` (instructions per score of the main
 loop): scores in log2 units (one exp2 each, log2(e) / sqrt(d) folded into the scale); D2 + eps from the
@@ -771,10 +774,11 @@ def _query_side(slab, rows, V, SqNorms, GradOut, Lse, Delta, OwnDot, num_queries
 
 @jit
 def _row_stats(Out, Delta, OwnDot, slab, rows, grad_out, v_query, num_queries, VALUE_DIM: constexpr,
-               BLOCK_DV: constexpr, EULER: constexpr, EXACT: constexpr):  # fmt: skip
+               BLOCK_DV: constexpr, EULER: constexpr):  # fmt: skip
     """FlashAttention's D = rowsum(dU * U) of the dq kernel's own queries, in float32 from the stored operands;
-    euler subtracts the own-value part dU . v_x (its ``own_dot``), which the paper formulation never reads. The
-    first pass stores them for the dkdv kernel, launched after, whose loops read every query's."""
+    euler subtracts the own-value part dU . v_x (its ``own_dot``), which the paper formulation never reads. Stored
+    for the dkdv kernel, launched after, whose loops read every query's: by each pass (the same values where both
+    run), since a small call runs the exact pass alone."""
     grad_out = grad_out.to(tl.float32)
     out = _load_rows(Out + slab * num_queries * VALUE_DIM, rows, num_queries, VALUE_DIM, BLOCK_DV)
     delta = tl.sum(grad_out * out.to(tl.float32), 1)
@@ -782,11 +786,10 @@ def _row_stats(Out, Delta, OwnDot, slab, rows, grad_out, v_query, num_queries, V
     if EULER:
         own_dot = tl.sum(grad_out * v_query.to(tl.float32), 1)
         delta -= own_dot
-    if not EXACT:
-        row_in = rows < num_queries
-        tl.store(Delta + slab * num_queries + rows, delta, mask=row_in)
-        if EULER:
-            tl.store(OwnDot + slab * num_queries + rows, own_dot, mask=row_in)
+    row_in = rows < num_queries
+    tl.store(Delta + slab * num_queries + rows, delta, mask=row_in)
+    if EULER:
+        tl.store(OwnDot + slab * num_queries + rows, own_dot, mask=row_in)
     return delta, own_dot
 
 
@@ -922,7 +925,7 @@ def _plap_bwd_dq_kernel(
         slab, rows, V, SqNorms, GradOut, Lse, Delta, OwnDot, num_queries, num_keys, eps, VALUE_DIM, BLOCK_DV, False
     )
     delta, own_dot = _row_stats(Out, Delta, OwnDot, slab, rows, grad_out, v_query, num_queries, VALUE_DIM, BLOCK_DV,
-                                EULER, EXACT)  # fmt: skip
+                                EULER)  # fmt: skip
     docs, span = _fixed_documents(Documents, slab, num_heads, rows, num_keys, HAS_DOCUMENTS)
 
     grad_q = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -962,15 +965,6 @@ def _plap_bwd_dq_kernel(
     _store_rows(GradVOwn + slab * num_queries * VALUE_DIM, rows, stored_rows, grad_v_own, VALUE_DIM, BLOCK_DV)
 
 
-@jit
-def _sq_norms_kernel(V, Out, num_rows, COLS: constexpr, BLOCK_COLS: constexpr, BLOCK_ROWS: constexpr):
-    """Out[r] = sum_c V[r, c]^2 in float32 for the rows r < num_rows of a contiguous (num_rows, COLS) tensor: the
-    values' squared norms, one read of them (no float32 copy)."""
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-    values = _load_rows(V, rows, num_rows, COLS, BLOCK_COLS).to(tl.float32)
-    tl.store(Out + rows, tl.sum(values * values, 1), mask=rows < num_rows)
-
-
 class Launch(NamedTuple):
     """One kernel launch: ``kernel[grid](*args, **meta)``. Built by the same functions for a real launch
     and for tests that compile the kernels ahead of time."""
@@ -981,8 +975,12 @@ class Launch(NamedTuple):
     meta: dict
 
 
-# Elements of the values per program of the squared-norm kernel (a block of rows).
-SQ_NORM_ELEMENTS = 4096
+# Calls of at most this many (query, key) pairs, batch and heads included, run each kernel's exact pass alone over
+# every block instead of a first pass and the exact pass of the flagged blocks: one Triton launch per kernel instead of
+# two. At the paper LM's shape (16 x 8 x 256 x 256 = 2^23) the H100 ran each first pass in 17-26 us and the host took
+# 85 us per launch (docs/performance.md), while the exact passes there cost 9-25% more instructions per score at the
+# same blocks per SM.
+ONE_PASS_PAIRS = 2**23
 # Heads of one launch: bit h of an int32 says which of the launch's two p head first + h takes.
 MAX_LAUNCH_HEADS = 32
 
@@ -1019,8 +1017,9 @@ def _slab_blocks(kernel, config, num_queries, num_keys):
     return _ceil_div(num_queries, config.block_m)
 
 
-def _launches(kernel, config, query, key, value, tensors, p, is_causal, has_key_mask, has_documents, euler, eps):
-    """The launches of ``kernel`` per group of heads, its first pass then its exact pass."""
+def _launches(kernel, config, query, key, value, tensors, p, is_causal, has_key_mask, has_documents, euler, eps,
+              exact_only):  # fmt: skip
+    """The launches of ``kernel`` per group of heads, its first pass then its exact pass (or that alone)."""
     batch, heads, num_queries, head_dim = query.shape
     num_keys, value_dim = key.shape[2], value.shape[-1]
     blocks = _slab_blocks(kernel, config, num_queries, num_keys)
@@ -1037,7 +1036,8 @@ def _launches(kernel, config, query, key, value, tensors, p, is_causal, has_key_
         first_pass = dict(meta, EXACT=False)
         if config.max_registers and not (has_key_mask or has_documents):
             first_pass["maxnreg"] = config.max_registers
-        launches += [Launch(kernel, grid, args, first_pass), Launch(kernel, grid, args, dict(meta, EXACT=True))]
+        exact = Launch(kernel, grid, args, dict(meta, EXACT=True))
+        launches += [exact] if exact_only else [Launch(kernel, grid, args, first_pass), exact]
     return launches
 
 
@@ -1046,25 +1046,21 @@ def _masks(sq_norms, key_keep, documents):
     return tuple(sq_norms if mask is None else mask for mask in (key_keep, documents))
 
 
-def sq_norms_launch(value, out):
-    """The launch of ``out`` (..., N) = the float32 squared norms of the rows of ``value``, contiguous (..., N, C) (a
-    row block of SQ_NORM_ELEMENTS per program)."""
-    num_rows, cols = out.numel(), value.shape[-1]
-    block_cols = padded_head_size(cols)
-    block_rows = max(1, SQ_NORM_ELEMENTS // block_cols)
-    meta = dict(COLS=cols, BLOCK_COLS=block_cols, BLOCK_ROWS=block_rows, num_warps=4, num_stages=1)
-    return Launch(_sq_norms_kernel, (_ceil_div(num_rows, block_rows),), (value, out, num_rows), meta)
+def squared_norms(value):
+    """(..., N) float32 squared norms of the rows of ``value`` (..., N, C), from one read of them: each is the square of
+    a float32 norm, within about 1.5 u of the float32 sum of its exact squares (docs/numerics.md)."""
+    return torch.linalg.vector_norm(value, dim=-1, dtype=torch.float32).square_()
 
 
 def forward_launches(query, key, value, sq_norms, key_keep, documents, out, lse, own_weight, exact_blocks, p,
-                     is_causal, eps, euler, config):  # fmt: skip
-    """The forward launches of contiguous inputs, the first pass then the exact one (``_plap_fwd_kernel``);
-    ``key_keep`` is the (B, Nk) int8 padding mask or None, ``documents`` the ``document_table`` of packed rows or
-    None, ``sq_norms`` the (B, H, Nk) float32 squared norms of the values, ``exact_blocks`` an int32 tensor of
-    ``exact_block_counts(...)[0]`` elements."""
+                     is_causal, eps, euler, config, exact_only=False):  # fmt: skip
+    """The forward launches of contiguous inputs, the first pass then the exact one (``_plap_fwd_kernel``), or the
+    exact one alone (``exact_only``, every flag set); ``key_keep`` is the (B, Nk) int8 padding mask or None,
+    ``documents`` the ``document_table`` of packed rows or None, ``sq_norms`` the (B, H, Nk) float32 squared norms of
+    the values, ``exact_blocks`` an int32 tensor of ``exact_block_counts(...)[0]`` elements."""
     tensors = (query, key, value, sq_norms, *_masks(sq_norms, key_keep, documents), out, lse, own_weight,
                exact_blocks)  # fmt: skip
-    flags = (p, is_causal, key_keep is not None, documents is not None, euler, eps)
+    flags = (p, is_causal, key_keep is not None, documents is not None, euler, eps, exact_only)
     return _launches(_plap_fwd_kernel, config.fwd, query, key, value, tensors, *flags)
 
 
@@ -1079,14 +1075,15 @@ def exact_block_counts(query, key, config):
 
 def backward_launches(
     query, key, value, sq_norms, key_keep, documents, grad_out, out, lse, delta, own_dot, own_weight, grad_q, grad_k,
-    grad_v, grad_v_own, exact_blocks, p, is_causal, eps, euler, config,
+    grad_v, grad_v_own, exact_blocks, p, is_causal, eps, euler, config, exact_only=False,
 ):  # fmt: skip
-    """The dq launches, then the dk/dv launches, each kernel's first pass then its exact one. dq's first pass writes
-    the row statistics ``delta`` and (euler) ``own_dot``, (B, H, Nq) float32, and each query's own-value part of dv
-    to ``grad_v_own``, (B, H, Nq, dv) float32, which the dk/dv kernel adds to the key side as it stores ``grad_v``;
-    ``exact_blocks`` are two int32 tensors of ``exact_block_counts(...)[1:]`` flags."""
+    """The dq launches, then the dk/dv launches, each kernel's first pass then its exact one (or that alone, as in
+    ``forward_launches``). dq writes the row statistics ``delta`` and (euler) ``own_dot``, (B, H, Nq) float32, and
+    each query's own-value part of dv to ``grad_v_own``, (B, H, Nq, dv) float32, which the dk/dv kernel adds to the
+    key side as it stores ``grad_v``; ``exact_blocks`` are two int32 tensors of ``exact_block_counts(...)[1:]``
+    flags."""
     inputs = (query, key, value, sq_norms, *_masks(sq_norms, key_keep, documents), grad_out, lse, delta, own_dot)
-    flags = (p, is_causal, key_keep is not None, documents is not None, euler, eps)
+    flags = (p, is_causal, key_keep is not None, documents is not None, euler, eps, exact_only)
     dkdv_blocks, dq_blocks = exact_blocks
     dq = (_plap_bwd_dq_kernel, config.dq, query, key, value, (*inputs, out, own_weight, grad_q, grad_v_own, dq_blocks))
     dkdv = (_plap_bwd_dkdv_kernel, config.dkdv, query, key, value, (*inputs, grad_v_own, grad_k, grad_v, dkdv_blocks))
@@ -1127,6 +1124,16 @@ def document_table(document_ids):
     return torch.empty_like(table).scatter_(1, order[..., None].expand_as(table), table).to(torch.int32)
 
 
+def exact_pass_alone(query, key):
+    """Whether a call runs each kernel's exact pass alone (``ONE_PASS_PAIRS``)."""
+    return query.shape[0] * query.shape[1] * query.shape[2] * key.shape[2] <= ONE_PASS_PAIRS
+
+
+def _exact_flags(query, key, count):
+    """A kernel's int32 flags between its passes: written by its first pass, or all set for its exact pass alone."""
+    return (torch.ones if exact_pass_alone(query, key) else torch.empty)(count, device=query.device, dtype=torch.int32)
+
+
 def _flat(config):
     """A LaunchConfig as the list of ints a custom op takes."""
     return [number for kernel in config for number in kernel]
@@ -1156,12 +1163,12 @@ def _fused_forward(
     out = query.new_empty(batch, heads, num_queries, value.shape[-1])  # (B, H, Nq, dv)
     lse = torch.empty(batch, heads, num_queries, device=query.device, dtype=torch.float32)
     own_weight = torch.empty_like(lse) if euler else lse.new_empty(0)  # written by euler only
-    sq_norms = torch.empty(value.shape[:3], device=value.device, dtype=torch.float32)  # (B, H, Nk)
+    sq_norms = squared_norms(value)  # (B, H, Nk)
     config = _unflat(config)
-    exact_blocks = torch.empty(exact_block_counts(query, key, config)[0], device=query.device, dtype=torch.int32)
-    for launch in [sq_norms_launch(value, sq_norms)] + forward_launches(
+    exact_blocks = _exact_flags(query, key, exact_block_counts(query, key, config)[0])
+    for launch in forward_launches(
         query, key, value, sq_norms, key_keep, documents, out, lse, own_weight if euler else lse, exact_blocks,
-        tuple(p), is_causal, eps, euler, config,
+        tuple(p), is_causal, eps, euler, config, exact_pass_alone(query, key),
     ):  # fmt: skip
         _run(launch, query, value)
     return out, lse, own_weight, sq_norms
@@ -1201,12 +1208,11 @@ def _fused_backward(
     grad_q, grad_k, grad_v = torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
     grad_v_own = torch.empty(out.shape, device=query.device, dtype=torch.float32)
     config = _unflat(config)
-    exact_blocks = [torch.empty(count, device=query.device, dtype=torch.int32)
-                    for count in exact_block_counts(query, key, config)[1:]]  # fmt: skip
+    exact_blocks = [_exact_flags(query, key, count) for count in exact_block_counts(query, key, config)[1:]]
     for launch in backward_launches(
         query, key, value, sq_norms, key_keep, documents, grad_out, out, lse, delta, own_dot,
         own_weight if euler else lse, grad_q, grad_k, grad_v, grad_v_own, exact_blocks, tuple(p), is_causal, eps,
-        euler, config,
+        euler, config, exact_pass_alone(query, key),
     ):  # fmt: skip
         _run(launch, query, value)
     return grad_q, grad_k, grad_v

@@ -10,7 +10,18 @@ GPU it stays unset, or the kernels would be interpreted there too instead of com
 
 import os
 
+import pytest
+
 from device import ON_CUDA
 
 if not ON_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture
+def two_passes(monkeypatch):
+    """Every Triton call runs each kernel's first pass, then its exact pass on the flagged blocks, as calls above
+    ``ONE_PASS_PAIRS`` do: the tests' small calls would run the exact pass alone."""
+    from modeling_plat import plap_attention_triton
+
+    monkeypatch.setattr(plap_attention_triton, "ONE_PASS_PAIRS", 0)

@@ -119,13 +119,14 @@ def test_program_order_is_the_kernels(model, kernel, is_causal):
     assert [tuple(pair) for pair in out.tolist()] == expected
 
 
-def test_auxiliary_bytes_count_the_host_tensor_operations(model):
+def test_auxiliary_bytes_count_the_host_tensor_operations(model, two_passes):
     batch, heads, tokens, head_dim = 2, 4, 128, 64
     forward, backward = model.auxiliary_bytes(triton_module, batch, heads, tokens, head_dim, [1.5, 1.5, 2.5, 2.5])
     elements = batch * heads * tokens * head_dim
     rows = elements // head_dim
-    # The forward's squared norms: one read of the bf16 values, one float32 per row written.
-    assert forward == elements * 2 + rows * 4
+    # The forward's squared norms: the norms from one read of the bf16 values, one float32 per row written, then
+    # squared in place (read and written).
+    assert forward == elements * 2 + rows * 4 + rows * 4 * 2
     # None in the backward: the dQ kernel computes D = rowsum(dU * U), and dK/dV's stores dV in the values' dtype.
     assert backward == 0
 

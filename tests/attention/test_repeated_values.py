@@ -11,7 +11,7 @@ import pytest
 import torch
 from device import DEVICE, TRITON_HALF
 from reference import reference_plap_attention
-from test_backends import TORCH_BACKENDS, TRITON_MISSING, make_inputs, relative_error, triton_small_blocks
+from test_backends import TORCH_BACKENDS, TRITON_MISSING, make_inputs, make_mask, relative_error, triton_small_blocks
 from tiny import LLAMA_SHAPE, lm
 from transformers import DataCollatorWithFlattening
 
@@ -170,7 +170,7 @@ def test_backends_agree_on_duplicates(backend):
 
 @pytest.mark.skipif(TRITON_MISSING, reason="triton is not installed (pip install triton)")
 @pytest.mark.parametrize("is_causal", [True, False])
-def test_triton_redoes_exactly_the_blocks_with_close_pairs(monkeypatch, is_causal):
+def test_triton_redoes_exactly_the_blocks_with_close_pairs(monkeypatch, two_passes, is_causal):
     """Each kernel's first pass flags the blocks with a close pair in a tile they visit; only those run its exact
     pass, and outputs and gradients match the reference either way. Copies of position 3's value at 21 and 39, blocks
     of 16: causal, the query blocks of 21 and 39 (1 and 2) pair with key 3, and the key blocks of 3 and 21 (0 and 1)
@@ -199,6 +199,32 @@ def test_triton_redoes_exactly_the_blocks_with_close_pairs(monkeypatch, is_causa
                     "_plap_bwd_dq_kernel": query_blocks}  # fmt: skip
         assert flags == {kernel: [int(block in flagged) for _ in range(batch * heads) for block in everything]
                          for kernel, flagged in expected.items()}  # fmt: skip
+
+
+@pytest.mark.skipif(TRITON_MISSING, reason="triton is not installed (pip install triton)")
+@pytest.mark.parametrize("formulation", ["paper", "euler"])
+@pytest.mark.parametrize("mask", [None, "padding"])
+def test_triton_exact_pass_alone_equals_both_passes(monkeypatch, mask, formulation):
+    """Calls up to ONE_PASS_PAIRS run each kernel's exact pass alone over every block, larger ones a first pass and
+    the exact pass of the flagged blocks: the same outputs and gradients to the bit, with blocks of both kinds
+    (copies of position 3's value at 21 and 39, blocks of 16, causal)."""
+    shape = (2, 2, 40, 40, 16, 16)
+    inputs, p = make_inputs(*shape, torch.float32)
+    with torch.no_grad():
+        inputs[2][:, :, [21, 39]] = inputs[2][:, :, 3:4]
+    grad_out = torch.randn(shape[:3] + shape[-1:], generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    attn_mask = make_mask(mask, *shape[:4])
+    original, results = triton_module._run, {}
+    for limit in (0, 2**62):
+        passes = []
+        monkeypatch.setattr(triton_module, "ONE_PASS_PAIRS", limit)
+        monkeypatch.setattr(triton_module, "_run", lambda launch, query, value: (passes.append(launch.meta["EXACT"]),
+                                                                                 original(launch, query, value)))
+        out = triton_small_blocks(*inputs, p, attn_mask=attn_mask, is_causal=True, formulation=formulation)
+        results[tuple(passes)] = (out, *torch.autograd.grad(out, inputs, grad_out))
+    assert set(results) == {(False, True) * 3, (True,) * 3}
+    for one_pass, two_passes in zip(*results.values()):
+        assert torch.equal(one_pass, two_passes)
 
 
 # Text with repeated tokens: a few words, each several times, in a Llama-shaped model whose first layer gives

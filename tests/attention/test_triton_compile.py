@@ -61,7 +61,7 @@ ALL_ON, ALL_OFF = (True,) * 4, (False,) * 4
 # compiles the code of both: the paper's mix at head sizes 64 and 128, and 2.5 beside another p at 128.
 # Each kernel's exact pass is its first pass plus the close pairs' loop: by default compiled for the head sizes whose
 # blocks no other case compiles with it (64 and 128, and 64 beside a value size of 80), with -m slow everywhere.
-FIRST_PASSES = ("fwd", "dkdv", "dq", "sq_norms")
+FIRST_PASSES = ("fwd", "dkdv", "dq")
 DEFAULT_CASES = (
     [dict(case, kernels=FIRST_PASSES) for case in cases((80, 90), [(16, 16), (32, 32), (80, 80)], [ALL_ON])]
     + cases((80, 90), [(64, 80)], [ALL_ON])

@@ -197,6 +197,9 @@ def test_launch_groups_cover_every_head_once_with_its_p(p):
         assert [high if (high_heads >> (h - first)) & 1 else low for h in range(first, end)] == list(p[first:end])
 
 
+ALLOCATIONS = {"empty", "empty_like", "new_empty", "detach"}
+
+
 class OpNames(TorchDispatchMode):
     """The ATen operations that run, by name."""
 
@@ -211,20 +214,28 @@ class OpNames(TorchDispatchMode):
 
 @pytest.mark.skipif(not triton_module.INTERPRETED, reason="the Triton backend runs on CPU only under the interpreter")
 @pytest.mark.parametrize("formulation", ["paper", "euler"])
-def test_a_call_runs_the_kernels_and_allocations_only(monkeypatch, formulation):
-    """The host work of a bfloat16 forward + backward, launches recorded instead of run: the squared norms, then each
-    kernel's two passes (forward, dQ, dK/dV), and no tensor operation but allocations and views: no cast, row
-    statistic or zero gradient, each of which is a kernel and its host time on a GPU."""
+@pytest.mark.parametrize("pairs_over_limit", [0, 1])
+def test_a_call_runs_the_kernels_and_allocations_only(monkeypatch, formulation, pairs_over_limit):
+    """The host work of a bfloat16 forward + backward, launches recorded instead of run: the values' squared norms
+    (a norm and its square), each kernel's two passes (forward, dQ, dK/dV) or, up to ONE_PASS_PAIRS, its exact pass
+    alone after its flags are set, and no other tensor operation but allocations and views: no cast, row statistic or
+    zero gradient, each of which is a kernel and its host time on a GPU."""
     launches = []
-    monkeypatch.setattr(triton_module, "_run", lambda launch, query, value: launches.append(launch.kernel.__name__))
-    q, k, v = (torch.randn(2, 4, 40, 16, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-    grad = torch.ones(2, 4, 40, 16, dtype=torch.bfloat16)
+    monkeypatch.setattr(triton_module, "_run", lambda launch, query, value: launches.append(
+        (launch.kernel.__name__, launch.meta["EXACT"])))  # fmt: skip
+    shape = (2, 4, 40, 16)
+    monkeypatch.setattr(triton_module, "ONE_PASS_PAIRS", shape[0] * shape[1] * shape[2] ** 2 - pairs_over_limit)
+    q, k, v = (torch.randn(shape, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    grad = torch.ones(shape, dtype=torch.bfloat16)
     with OpNames() as ops:
         out = plap_attention(q, k, v, (1.5, 1.5, 2.5, 2.5), is_causal=True, backend="triton", formulation=formulation)
         grads = torch.autograd.grad(out, (q, k, v), grad)
-    assert launches == ["_sq_norms_kernel"] + [f"_plap_{kernel}_kernel" for kernel in ("fwd", "bwd_dq", "bwd_dkdv")
-                                               for _ in range(2)]  # fmt: skip
-    assert set(ops.names) <= {"empty", "empty_like", "new_empty", "detach"}, ops.names
+    passes = (False, True) if pairs_over_limit else (True,)
+    assert launches == [(f"_plap_{kernel}_kernel", exact) for kernel in ("fwd", "bwd_dq", "bwd_dkdv")
+                        for exact in passes]  # fmt: skip
+    flag_fills = [] if pairs_over_limit else ["ones"] * 3
+    computed = [name for name in ops.names if name not in ALLOCATIONS]
+    assert computed == ["linalg_vector_norm", "pow_"] + flag_fills, ops.names
     assert [g.dtype for g in grads] == [torch.bfloat16] * 3
 
 

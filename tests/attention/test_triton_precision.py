@@ -88,9 +88,12 @@ def run_kernels(*args, **kwargs):
     return run_triton(*args, **kwargs, blocks=(16, 16))
 
 
+@pytest.mark.parametrize("passes", ["first and exact", "exact alone"])
 @pytest.mark.parametrize("formulation", ["paper", "euler"])
-def test_bfloat16_kernels_match_reference(gpu_dots, formulation):
-    """bfloat16, which the plain interpreter cannot run: outputs and gradients within the half tolerance."""
+def test_bfloat16_kernels_match_reference(gpu_dots, monkeypatch, formulation, passes):
+    """bfloat16, which the plain interpreter cannot run: outputs and gradients within the half tolerance, from each
+    kernel's two passes (calls above ONE_PASS_PAIRS) and from its exact pass alone (every block flagged)."""
+    monkeypatch.setattr(triton_module, "ONE_PASS_PAIRS", 0 if passes == "first and exact" else 2**62)
     shape = (2, 2, 17, 33, 16, 24)
     inputs, p = make_inputs(*shape, torch.bfloat16)
     check(run_kernels, inputs, p, torch.bfloat16, attn_mask=make_mask("padding", *shape[:4]), is_causal=True,
@@ -151,7 +154,7 @@ def spread_value_gradient_error(run, spread):
     return dv_error(run, q, k, v, torch.randn(1, 2, 24, 16, generator=gen).to(torch.bfloat16))
 
 
-def test_first_pass_distance_gradient_in_two_bfloat16_parts(gpu_dots, monkeypatch):
+def test_first_pass_distance_gradient_in_two_bfloat16_parts(gpu_dots, two_passes, monkeypatch):
     """The first passes split Gd into two bfloat16 parts (16 bits), the exact passes into three: values spread 0.15
     around one, whose pairs are no close pairs (no block flagged), give dV the error of three parts everywhere (2.5e-3,
     the bfloat16 rounding of dV), where one part (8 bits) makes it 3.0e-3."""
