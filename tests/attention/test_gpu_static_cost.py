@@ -18,8 +18,9 @@ pytestmark = pytest.mark.skipif(triton_module.triton is None, reason="triton is 
 # Instructions per score of each kernel's main loop on its common path as measured (sm_90, bfloat16, d = 64, paper
 # mix), with a quarter of headroom: a change that makes a kernel much slower on a GPU fails here. (The per-tile test
 # for close pairs of values took them from 18.6, 41.8 and 36.2 to 22.3, 52.2 and 44.0; one comparison per plain tile
-# and the scale folded into the forward's exp2 brought them here.)
-MEASURED_INSTRUCTIONS = {"fwd": 23.8, "dkdv": 38.4, "dq": 42.4, "baseline": 8.8}
+# and the scale folded into the forward's exp2, the row statistics in dQ, two bfloat16 parts of Gd in the first passes
+# and wider forward and dQ tiles brought them here.)
+MEASURED_INSTRUCTIONS = {"fwd": 18.3, "dkdv": 35.9, "dq": 29.7, "baseline": 8.8}
 
 LISTING = """
         /*0000*/                   MOV R1, c[0x0][0x28] ;
@@ -92,6 +93,6 @@ def test_quick_sweep_compiles_and_stays_under_bounds(tmp_path):
         # Spilled values may be reloaded in the loop (dK/dV's: 3-4 per iteration), never stored there.
         assert analysis["loop_spill_stores"] == 0 and analysis["loop_spill_share"] <= 0.01, analysis
         assert analysis["mma_kind"] == "wgmma"
-    # The forward's first pass under its register cap, unspilled: four blocks of 4 warps per SM.
-    assert record["result"]["fwd"]["registers"] <= 128 and record["result"]["fwd"]["spill_stores"] == 0
+    # The forward's and dQ's first passes under their register caps: three blocks of 4 warps per SM.
+    assert record["result"]["fwd"]["registers"] <= 168 and record["result"]["dq"]["registers"] <= 168
     assert record["result"]["ratios"]["fwd"] > 1
