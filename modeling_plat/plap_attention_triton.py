@@ -1129,9 +1129,9 @@ def exact_pass_alone(query, key):
     return query.shape[0] * query.shape[1] * query.shape[2] * key.shape[2] <= ONE_PASS_PAIRS
 
 
-def _exact_flags(query, key, count):
+def _exact_flags(count, alone, device):
     """A kernel's int32 flags between its passes: written by its first pass, or all set for its exact pass alone."""
-    return (torch.ones if exact_pass_alone(query, key) else torch.empty)(count, device=query.device, dtype=torch.int32)
+    return (torch.ones if alone else torch.empty)(count, device=device, dtype=torch.int32)
 
 
 def _flat(config):
@@ -1164,11 +1164,11 @@ def _fused_forward(
     lse = torch.empty(batch, heads, num_queries, device=query.device, dtype=torch.float32)
     own_weight = torch.empty_like(lse) if euler else lse.new_empty(0)  # written by euler only
     sq_norms = squared_norms(value)  # (B, H, Nk)
-    config = _unflat(config)
-    exact_blocks = _exact_flags(query, key, exact_block_counts(query, key, config)[0])
+    config, alone = _unflat(config), exact_pass_alone(query, key)
+    exact_blocks = _exact_flags(exact_block_counts(query, key, config)[0], alone, query.device)
     for launch in forward_launches(
         query, key, value, sq_norms, key_keep, documents, out, lse, own_weight if euler else lse, exact_blocks,
-        tuple(p), is_causal, eps, euler, config, exact_pass_alone(query, key),
+        tuple(p), is_causal, eps, euler, config, alone,
     ):  # fmt: skip
         _run(launch, query, value)
     return out, lse, own_weight, sq_norms
@@ -1207,12 +1207,12 @@ def _fused_backward(
     own_dot = torch.empty_like(delta) if euler else delta  # the paper formulation's kernels never read it
     grad_q, grad_k, grad_v = torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
     grad_v_own = torch.empty(out.shape, device=query.device, dtype=torch.float32)
-    config = _unflat(config)
-    exact_blocks = [_exact_flags(query, key, count) for count in exact_block_counts(query, key, config)[1:]]
+    config, alone = _unflat(config), exact_pass_alone(query, key)
+    exact_blocks = [_exact_flags(count, alone, query.device) for count in exact_block_counts(query, key, config)[1:]]
     for launch in backward_launches(
         query, key, value, sq_norms, key_keep, documents, grad_out, out, lse, delta, own_dot,
         own_weight if euler else lse, grad_q, grad_k, grad_v, grad_v_own, exact_blocks, tuple(p), is_causal, eps,
-        euler, config, exact_pass_alone(query, key),
+        euler, config, alone,
     ):  # fmt: skip
         _run(launch, query, value)
     return grad_q, grad_k, grad_v
