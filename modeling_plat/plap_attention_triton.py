@@ -306,10 +306,27 @@ def _row_ptrs(ptr, rows, COLS: constexpr, BLOCK_COLS: constexpr):
 
 
 @jit
-def _load_rows(ptr, rows, num_rows, COLS: constexpr, BLOCK_COLS: constexpr):
-    """(len(rows), BLOCK_COLS) tile of a contiguous (num_rows, COLS) matrix; zeros outside it."""
+def _load_rows(ptr, rows, num_rows, COLS: constexpr, BLOCK_COLS: constexpr, CHECK_ROWS: constexpr = True):
+    """(len(rows), BLOCK_COLS) tile of a contiguous (num_rows, COLS) matrix; zeros outside it. A plain tile's rows are
+    all inside (CHECK_ROWS false): its loads skip the per-row predicates, which cost a loop iteration instructions."""
     ptrs, col_in = _row_ptrs(ptr, rows, COLS, BLOCK_COLS)
-    return tl.load(ptrs, mask=(rows[:, None] < num_rows) & col_in, other=0.0)
+    if CHECK_ROWS:
+        tile = tl.load(ptrs, mask=(rows[:, None] < num_rows) & col_in, other=0.0)
+    elif COLS == BLOCK_COLS:
+        tile = tl.load(ptrs)
+    else:
+        tile = tl.load(ptrs, mask=col_in, other=0.0)
+    return tile
+
+
+@jit
+def _load_vector(ptr, index, size, other, CHECK: constexpr = True):
+    """ptr[index], ``other`` where index >= size (CHECK false: every index is inside)."""
+    if CHECK:
+        vector = tl.load(ptr + index, mask=index < size, other=other)
+    else:
+        vector = tl.load(ptr + index)
+    return vector
 
 
 @jit
@@ -617,9 +634,9 @@ def _fwd_tile(q, v_query, sq_query_eps, close_bound, row_max, row_sum, off_sum, 
     """One key block of the online softmax, and whether it has close pairs; scores in log2 units (log2(e) folded
     into the scale)."""
     cols = start + tl.arange(0, BLOCK_N)
-    k = _load_rows(K, cols, num_keys, HEAD_DIM, BLOCK_D)
-    values = _load_rows(V, cols, num_keys, VALUE_DIM, BLOCK_DV)
-    sq_keys = tl.load(SqNorms + cols, mask=cols < num_keys, other=0.0)
+    k = _load_rows(K, cols, num_keys, HEAD_DIM, BLOCK_D, MASKED)
+    values = _load_rows(V, cols, num_keys, VALUE_DIM, BLOCK_DV, MASKED)
+    sq_keys = _load_vector(SqNorms, cols, num_keys, 0.0, MASKED)
     # q.k unscaled: the scale (> 0) multiplies the row maxima, and joins each score's exp2 argument as one FMA.
     scores = _masked_scores(_pair_dot(q, k, 0), rows, cols, num_queries, num_keys, key_keep_row, docs, MASKED,
                             IS_CAUSAL, HAS_KEY_MASK, HAS_DOCUMENTS, 0)  # fmt: skip
@@ -754,21 +771,20 @@ def _tile_grads(
 
 @jit
 def _query_side(slab, rows, V, SqNorms, GradOut, Lse, Delta, OwnDot, num_queries, num_keys, eps,
-                VALUE_DIM: constexpr, BLOCK_DV: constexpr, LOAD_STATS: constexpr):  # fmt: skip
+                VALUE_DIM: constexpr, BLOCK_DV: constexpr, LOAD_STATS: constexpr, CHECK_ROWS: constexpr):  # fmt: skip
     """What a backward tile needs of a block of queries besides q: own values, their squared norms + eps and the
     block's bound of close pairs, dU, the logsumexp, and (``LOAD_STATS``) the row statistics."""
     offset = num_keys - num_queries
-    row_in = rows < num_queries
-    stats = slab * num_queries + rows
-    v_query = _load_rows(V, rows + offset, num_keys, VALUE_DIM, BLOCK_DV)
-    sq_query_eps = tl.load(SqNorms + rows + offset, mask=row_in, other=0.0) + eps
-    grad_out = _load_rows(GradOut + slab * num_queries * VALUE_DIM, rows, num_queries, VALUE_DIM, BLOCK_DV)
-    lse = tl.load(Lse + stats, mask=row_in, other=float("inf"))
+    stats = slab * num_queries
+    v_query = _load_rows(V + offset * VALUE_DIM, rows, num_queries, VALUE_DIM, BLOCK_DV, CHECK_ROWS)
+    sq_query_eps = _load_vector(SqNorms + offset, rows, num_queries, 0.0, CHECK_ROWS) + eps
+    grad_out = _load_rows(GradOut + stats * VALUE_DIM, rows, num_queries, VALUE_DIM, BLOCK_DV, CHECK_ROWS)
+    lse = _load_vector(Lse + stats, rows, num_queries, float("inf"), CHECK_ROWS)
     delta = lse  # not read: the dq kernel computes its own (``_row_stats``)
     own_dot = lse
     if LOAD_STATS:
-        delta = tl.load(Delta + stats, mask=row_in, other=0.0)
-        own_dot = tl.load(OwnDot + stats, mask=row_in, other=0.0)
+        delta = _load_vector(Delta + stats, rows, num_queries, 0.0, CHECK_ROWS)
+        own_dot = _load_vector(OwnDot + stats, rows, num_queries, 0.0, CHECK_ROWS)
     return v_query, sq_query_eps, _close_bound(sq_query_eps, eps), grad_out, lse, delta, own_dot
 
 
@@ -800,10 +816,11 @@ def _dkdv_tile(grad_k, grad_v, grad_dist_sum, k, values, sq_keys, cols, start, s
                BLOCK_M: constexpr, POWER_LOW: constexpr, POWER_HIGH: constexpr, MASKED: constexpr, IS_CAUSAL: constexpr,
                HAS_KEY_MASK: constexpr, HAS_DOCUMENTS: constexpr, EULER: constexpr, EXACT: constexpr):  # fmt: skip
     rows = start + tl.arange(0, BLOCK_M)
-    q = _load_rows(Q + slab * num_queries * HEAD_DIM, rows, num_queries, HEAD_DIM, BLOCK_D)
+    q = _load_rows(Q + slab * num_queries * HEAD_DIM, rows, num_queries, HEAD_DIM, BLOCK_D, MASKED)
     v_query, sq_query_eps, close_bound, grad_out, lse, delta, own_dot = _query_side(
-        slab, rows, V, SqNorms, GradOut, Lse, Delta, OwnDot, num_queries, num_keys, eps, VALUE_DIM, BLOCK_DV, True
-    )
+        slab, rows, V, SqNorms, GradOut, Lse, Delta, OwnDot, num_queries, num_keys, eps, VALUE_DIM, BLOCK_DV, True,
+        MASKED,
+    )  # fmt: skip
     # (keys, queries) tiles
     weights, grad_scores, grad_dist, has_close = _tile_grads(
         q, k, v_query, values, sq_query_eps, close_bound, sq_keys, grad_out, lse, delta, own_dot, V, rows, cols,
@@ -886,9 +903,9 @@ def _dq_tile(grad_q, grad_v_own, grad_dist_sum, q, v_query, sq_query_eps, close_
              BLOCK_N: constexpr, POWER_LOW: constexpr, POWER_HIGH: constexpr, MASKED: constexpr, IS_CAUSAL: constexpr,
              HAS_KEY_MASK: constexpr, HAS_DOCUMENTS: constexpr, EULER: constexpr, EXACT: constexpr):  # fmt: skip
     cols = start + tl.arange(0, BLOCK_N)
-    k = _load_rows(K, cols, num_keys, HEAD_DIM, BLOCK_D)
-    values = _load_rows(V, cols, num_keys, VALUE_DIM, BLOCK_DV)
-    sq_keys = tl.load(SqNorms + cols, mask=cols < num_keys, other=0.0)
+    k = _load_rows(K, cols, num_keys, HEAD_DIM, BLOCK_D, MASKED)
+    values = _load_rows(V, cols, num_keys, VALUE_DIM, BLOCK_DV, MASKED)
+    sq_keys = _load_vector(SqNorms, cols, num_keys, 0.0, MASKED)
     weights, grad_scores, grad_dist, has_close = _tile_grads(
         q, k, v_query, values, sq_query_eps, close_bound, sq_keys, grad_out, lse, delta, own_dot, V, rows, cols,
         key_keep_row, docs, num_queries, num_keys, scale_log2, exponent, use_high, eps, VALUE_DIM, POWER_LOW,
@@ -922,8 +939,9 @@ def _plap_bwd_dq_kernel(
     key_keep_row = KeyKeep + (slab // num_heads) * num_keys
     q = _load_rows(Q + slab * num_queries * HEAD_DIM, rows, num_queries, HEAD_DIM, BLOCK_D)
     v_query, sq_query_eps, close_bound, grad_out, lse, _, _ = _query_side(
-        slab, rows, V, SqNorms, GradOut, Lse, Delta, OwnDot, num_queries, num_keys, eps, VALUE_DIM, BLOCK_DV, False
-    )
+        slab, rows, V, SqNorms, GradOut, Lse, Delta, OwnDot, num_queries, num_keys, eps, VALUE_DIM, BLOCK_DV, False,
+        True,
+    )  # fmt: skip
     delta, own_dot = _row_stats(Out, Delta, OwnDot, slab, rows, grad_out, v_query, num_queries, VALUE_DIM, BLOCK_DV,
                                 EULER)  # fmt: skip
     docs, span = _fixed_documents(Documents, slab, num_heads, rows, num_keys, HAS_DOCUMENTS)
