@@ -494,16 +494,24 @@ def _masked_scores(scores, rows, cols, num_queries, num_keys, key_keep_row, docs
 
 
 @jit
-def _close_bound(sq_query_eps, eps):
-    """The largest close-pair bound among a block's queries: a plain tile whose nearest pair is above it has none."""
-    return tl.max(sq_query_eps) * CLOSE_PAIR + eps
+def _close_bounds(sq_fixed_eps, eps, QUERY_AXIS: constexpr):
+    """Per row of a kernel's fixed block, the distance (D2 + eps) at or below which a plain tile's row has a close pair.
+    Queries (forward, dq): the pair rule itself, CLOSE_PAIR (|v_x|^2 + eps) + eps. Keys (dkdv): a wider net computed
+    once per program, 2 CLOSE_PAIR (|v_y|^2 + eps) + eps, which holds every pair that the rule calls close
+    (docs/numerics.md)."""
+    if QUERY_AXIS == 0:
+        bounds = sq_fixed_eps * CLOSE_PAIR + eps
+    else:
+        bounds = sq_fixed_eps * (2 * CLOSE_PAIR) + eps
+    return bounds
 
 
 @jit
-def _distances(v_query, sq_query_eps, close_bound, values, sq_keys, V, rows, cols, num_keys, offset, eps,
+def _distances(v_query, sq_query_eps, close_bounds, values, sq_keys, V, rows, cols, num_keys, offset, eps,
                VALUE_DIM: constexpr, MASKED: constexpr, QUERY_AXIS: constexpr, EXACT: constexpr):  # fmt: skip
     """D2 + eps from the squared norms (eps already in the query's), the self-pair tile (None-free: all false where
-    the loop split excludes self pairs, MASKED false), and whether the tile has close pairs.
+    the loop split excludes self pairs, MASKED false), and which rows of the tile (the fixed block's) have close pairs
+    (int32 per row: a loop accumulates them without reducing across warps in every tile).
 
     The expansion's rounding, a few u (|v_x|^2 + |v_y|^2), would decide P where values nearly coincide: a tile with
     close pairs (CLOSE_PAIR) recomputes all its pairs by direct differences, one value coordinate at a time from
@@ -517,12 +525,11 @@ def _distances(v_query, sq_query_eps, close_bound, values, sq_keys, V, rows, col
     if MASKED:
         inside = (_per_query(rows, QUERY_AXIS) < num_keys - offset) & (_per_key(cols, QUERY_AXIS) < num_keys)
         close = dist_eps <= _per_query(sq_query_eps * CLOSE_PAIR + eps, QUERY_AXIS)
-        has_close = tl.max((close & inside & ~is_self).to(tl.int32)) > 0
+        close_rows = tl.max((close & inside & ~is_self).to(tl.int32), 1)
     else:
-        # One comparison per tile, not per pair: the tile's nearest pair against its queries' largest bound (a
-        # wider net than the pairs' own bounds, which only sends more tiles to the exact branch).
-        has_close = tl.min(dist_eps) <= close_bound
-    if EXACT and has_close:
+        # One comparison per row, not per pair: the row's nearest pair against the row's bound.
+        close_rows = (tl.min(dist_eps, 1) <= close_bounds).to(tl.int32)
+    if EXACT and _any(close_rows):
         query_in, key_in = rows < num_keys - offset, cols < num_keys
         dist_eps = tl.zeros_like(dist_eps)
         for dim in range(VALUE_DIM):
@@ -534,7 +541,12 @@ def _distances(v_query, sq_query_eps, close_bound, values, sq_keys, V, rows, col
         dist_eps = tl.where(dist_eps <= bound, 0.0, dist_eps) + eps
     if MASKED:
         dist_eps = tl.where(is_self, eps, dist_eps)
-    return dist_eps, is_self & MASKED, has_close
+    return dist_eps, is_self & MASKED, close_rows
+
+
+@jit
+def _any(close_rows):
+    return tl.max(close_rows) != 0
 
 
 @jit
@@ -626,7 +638,7 @@ def _pass_rows(exact_block, has_close, num_rows, EXACT: constexpr):
 
 
 @jit
-def _fwd_tile(q, v_query, sq_query_eps, close_bound, row_max, row_sum, off_sum, acc, K, V, SqNorms, key_keep_row,
+def _fwd_tile(q, v_query, sq_query_eps, close_bounds, row_max, row_sum, off_sum, acc, K, V, SqNorms, key_keep_row,
               docs, rows, start, num_queries, num_keys, scale_log2, exponent, use_high, eps, HEAD_DIM: constexpr,
               VALUE_DIM: constexpr, BLOCK_D: constexpr, BLOCK_DV: constexpr, BLOCK_N: constexpr,
               POWER_LOW: constexpr, POWER_HIGH: constexpr, MASKED: constexpr, IS_CAUSAL: constexpr,
@@ -644,7 +656,7 @@ def _fwd_tile(q, v_query, sq_query_eps, close_bound, row_max, row_sum, off_sum, 
     rescale = tl.exp2(row_max - new_max)
     expo = tl.exp2(scores * scale_log2 - new_max[:, None])
     row_sum = row_sum * rescale + tl.sum(expo, 1)
-    dist_eps, is_self, has_close = _distances(v_query, sq_query_eps, close_bound, values, sq_keys, V, rows, cols,
+    dist_eps, is_self, has_close = _distances(v_query, sq_query_eps, close_bounds, values, sq_keys, V, rows, cols,
                                               num_keys, num_keys - num_queries, eps, VALUE_DIM, MASKED, 0,
                                               EXACT)  # fmt: skip
     weights = expo * _head_power(dist_eps, exponent, use_high, POWER_LOW, POWER_HIGH)[0]
@@ -688,7 +700,7 @@ def _plap_fwd_kernel(
     q = _load_rows(Q + slab * num_queries * HEAD_DIM, rows, num_queries, HEAD_DIM, BLOCK_D)
     v_query = _load_rows(V, rows + offset, num_keys, VALUE_DIM, BLOCK_DV)
     sq_query_eps = tl.load(SqNorms + rows + offset, mask=row_in, other=0.0) + eps
-    close_bound = _close_bound(sq_query_eps, eps)
+    close_bounds = _close_bounds(sq_query_eps, eps, 0)
     docs, span = _fixed_documents(Documents, slab, num_heads, rows, num_keys, HAS_DOCUMENTS)
 
     row_max = tl.full([BLOCK_M], MIN_SCORE, tl.float32)
@@ -698,27 +710,27 @@ def _plap_fwd_kernel(
     plain, masked = _key_loop_bounds(pid_m, num_queries, num_keys, span, BLOCK_M, BLOCK_N, IS_CAUSAL,
                                      HAS_KEY_MASK)  # fmt: skip
     num_plain, num_masked = plain[0], masked[0]
-    has_close = tl.zeros([], tl.int32)
+    has_close = tl.zeros([BLOCK_M], tl.int32)  # per query: whether its tiles had close pairs
     for index in range(0, num_plain):
         row_max, row_sum, off_sum, acc, close = _fwd_tile(
-            q, v_query, sq_query_eps, close_bound, row_max, row_sum, off_sum, acc, K, V, SqNorms, key_keep_row, docs,
+            q, v_query, sq_query_eps, close_bounds, row_max, row_sum, off_sum, acc, K, V, SqNorms, key_keep_row, docs,
             rows,
             _tile_start(index, plain, BLOCK_N), num_queries, num_keys, scale_log2, exponent, use_high, eps,
             HEAD_DIM, VALUE_DIM, BLOCK_D, BLOCK_DV, BLOCK_N, POWER_LOW, POWER_HIGH, False, IS_CAUSAL, HAS_KEY_MASK,
             HAS_DOCUMENTS, EULER, EXACT,
         )  # fmt: skip
-        has_close |= close.to(tl.int32)
+        has_close |= close
     for index in range(0, num_masked):
         row_max, row_sum, off_sum, acc, close = _fwd_tile(
-            q, v_query, sq_query_eps, close_bound, row_max, row_sum, off_sum, acc, K, V, SqNorms, key_keep_row, docs,
+            q, v_query, sq_query_eps, close_bounds, row_max, row_sum, off_sum, acc, K, V, SqNorms, key_keep_row, docs,
             rows,
             _tile_start(index, masked, BLOCK_N), num_queries, num_keys, scale_log2, exponent, use_high, eps,
             HEAD_DIM, VALUE_DIM, BLOCK_D, BLOCK_DV, BLOCK_N, POWER_LOW, POWER_HIGH, True, IS_CAUSAL, HAS_KEY_MASK,
             HAS_DOCUMENTS, EULER, EXACT,
         )  # fmt: skip
-        has_close |= close.to(tl.int32)
+        has_close |= close
 
-    stored_rows = _pass_rows(exact_block, has_close, num_queries, EXACT)
+    stored_rows = _pass_rows(exact_block, tl.max(has_close), num_queries, EXACT)
     row_in = rows < stored_rows
     valid = row_sum > 0  # at least one allowed key; fully masked rows output zeros
     inv_sum = 1.0 / tl.where(valid, row_sum, 1.0)
@@ -735,7 +747,7 @@ def _plap_fwd_kernel(
 
 @jit
 def _tile_grads(
-    q, k, v_query, values, sq_query_eps, close_bound, sq_keys, grad_out, lse, delta, own_dot, V, rows, cols,
+    q, k, v_query, values, sq_query_eps, close_bounds, sq_keys, grad_out, lse, delta, own_dot, V, rows, cols,
     key_keep_row, docs, num_queries, num_keys, scale_log2, exponent, use_high, eps, VALUE_DIM: constexpr,
     POWER_LOW: constexpr, POWER_HIGH: constexpr, MASKED: constexpr, IS_CAUSAL: constexpr, HAS_KEY_MASK: constexpr,
     HAS_DOCUMENTS: constexpr, EULER: constexpr, QUERY_AXIS: constexpr, EXACT: constexpr,
@@ -748,7 +760,7 @@ def _tile_grads(
                             key_keep_row, docs, MASKED, IS_CAUSAL, HAS_KEY_MASK, HAS_DOCUMENTS,
                             QUERY_AXIS)  # fmt: skip
     attn = tl.exp2(scores - _per_query(lse, QUERY_AXIS))
-    dist_eps, is_self, has_close = _distances(v_query, sq_query_eps, close_bound, values, sq_keys, V, rows, cols,
+    dist_eps, is_self, has_close = _distances(v_query, sq_query_eps, close_bounds, values, sq_keys, V, rows, cols,
                                               num_keys, num_keys - num_queries, eps, VALUE_DIM, MASKED, QUERY_AXIS,
                                               EXACT)  # fmt: skip
     power, inv_dist = _head_power(dist_eps, exponent, use_high, POWER_LOW, POWER_HIGH)
@@ -764,7 +776,7 @@ def _tile_grads(
     if MASKED:  # self pairs
         grad_dist = tl.where(dist_eps == eps, 0.0, grad_dist)
     elif EXACT:
-        if has_close:
+        if _any(has_close):
             grad_dist = tl.where(dist_eps == eps, 0.0, grad_dist)
     return weights, grad_scores, grad_dist, has_close
 
@@ -772,8 +784,8 @@ def _tile_grads(
 @jit
 def _query_side(slab, rows, V, SqNorms, GradOut, Lse, Delta, OwnDot, num_queries, num_keys, eps,
                 VALUE_DIM: constexpr, BLOCK_DV: constexpr, LOAD_STATS: constexpr, CHECK_ROWS: constexpr):  # fmt: skip
-    """What a backward tile needs of a block of queries besides q: own values, their squared norms + eps and the
-    block's bound of close pairs, dU, the logsumexp, and (``LOAD_STATS``) the row statistics."""
+    """What a backward tile needs of a block of queries besides q: own values, their squared norms + eps, dU, the
+    logsumexp, and (``LOAD_STATS``) the row statistics."""
     offset = num_keys - num_queries
     stats = slab * num_queries
     v_query = _load_rows(V + offset * VALUE_DIM, rows, num_queries, VALUE_DIM, BLOCK_DV, CHECK_ROWS)
@@ -785,7 +797,7 @@ def _query_side(slab, rows, V, SqNorms, GradOut, Lse, Delta, OwnDot, num_queries
     if LOAD_STATS:
         delta = _load_vector(Delta + stats, rows, num_queries, 0.0, CHECK_ROWS)
         own_dot = _load_vector(OwnDot + stats, rows, num_queries, 0.0, CHECK_ROWS)
-    return v_query, sq_query_eps, _close_bound(sq_query_eps, eps), grad_out, lse, delta, own_dot
+    return v_query, sq_query_eps, grad_out, lse, delta, own_dot
 
 
 @jit
@@ -810,20 +822,20 @@ def _row_stats(Out, Delta, OwnDot, slab, rows, grad_out, v_query, num_queries, V
 
 
 @jit
-def _dkdv_tile(grad_k, grad_v, grad_dist_sum, k, values, sq_keys, cols, start, slab, Q, V, SqNorms, GradOut, Lse,
-               Delta, OwnDot, key_keep_row, docs, num_queries, num_keys, scale_log2, exponent, use_high, eps,
-               HEAD_DIM: constexpr, VALUE_DIM: constexpr, BLOCK_D: constexpr, BLOCK_DV: constexpr,
+def _dkdv_tile(grad_k, grad_v, grad_dist_sum, k, values, sq_keys, close_bounds, cols, start, slab, Q, V, SqNorms,
+               GradOut, Lse, Delta, OwnDot, key_keep_row, docs, num_queries, num_keys, scale_log2, exponent, use_high,
+               eps, HEAD_DIM: constexpr, VALUE_DIM: constexpr, BLOCK_D: constexpr, BLOCK_DV: constexpr,
                BLOCK_M: constexpr, POWER_LOW: constexpr, POWER_HIGH: constexpr, MASKED: constexpr, IS_CAUSAL: constexpr,
                HAS_KEY_MASK: constexpr, HAS_DOCUMENTS: constexpr, EULER: constexpr, EXACT: constexpr):  # fmt: skip
     rows = start + tl.arange(0, BLOCK_M)
     q = _load_rows(Q + slab * num_queries * HEAD_DIM, rows, num_queries, HEAD_DIM, BLOCK_D, MASKED)
-    v_query, sq_query_eps, close_bound, grad_out, lse, delta, own_dot = _query_side(
+    v_query, sq_query_eps, grad_out, lse, delta, own_dot = _query_side(
         slab, rows, V, SqNorms, GradOut, Lse, Delta, OwnDot, num_queries, num_keys, eps, VALUE_DIM, BLOCK_DV, True,
         MASKED,
     )  # fmt: skip
     # (keys, queries) tiles
     weights, grad_scores, grad_dist, has_close = _tile_grads(
-        q, k, v_query, values, sq_query_eps, close_bound, sq_keys, grad_out, lse, delta, own_dot, V, rows, cols,
+        q, k, v_query, values, sq_query_eps, close_bounds, sq_keys, grad_out, lse, delta, own_dot, V, rows, cols,
         key_keep_row, docs, num_queries, num_keys, scale_log2, exponent, use_high, eps, VALUE_DIM, POWER_LOW,
         POWER_HIGH, MASKED, IS_CAUSAL, HAS_KEY_MASK, HAS_DOCUMENTS, EULER, 1, EXACT,
     )  # fmt: skip
@@ -858,6 +870,7 @@ def _plap_bwd_dkdv_kernel(
     k = _load_rows(K + slab * num_keys * HEAD_DIM, cols, num_keys, HEAD_DIM, BLOCK_D)
     values = _load_rows(V, cols, num_keys, VALUE_DIM, BLOCK_DV)
     sq_keys = tl.load(SqNorms + cols, mask=cols < num_keys, other=0.0)
+    close_bounds = _close_bounds(sq_keys + eps, eps, 1)
     docs, span = _fixed_documents(Documents, slab, num_heads, cols, num_keys, HAS_DOCUMENTS)
 
     grad_k = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
@@ -866,25 +879,25 @@ def _plap_bwd_dkdv_kernel(
     plain, masked = _query_loop_bounds(pid_n, num_queries, num_keys, span, BLOCK_M, BLOCK_N, IS_CAUSAL,
                                        HAS_KEY_MASK)  # fmt: skip
     num_plain, num_masked = plain[0], masked[0]
-    has_close = tl.zeros([], tl.int32)
+    has_close = tl.zeros([BLOCK_N], tl.int32)  # per key
     for index in range(0, num_plain):
         grad_k, grad_v, grad_dist_sum, close = _dkdv_tile(
-            grad_k, grad_v, grad_dist_sum, k, values, sq_keys, cols, _tile_start(index, plain, BLOCK_M), slab, Q, V,
-            SqNorms, GradOut, Lse, Delta, OwnDot, key_keep_row, docs, num_queries, num_keys, scale_log2, exponent,
-            use_high, eps, HEAD_DIM, VALUE_DIM, BLOCK_D, BLOCK_DV, BLOCK_M, POWER_LOW, POWER_HIGH, False, IS_CAUSAL,
-            HAS_KEY_MASK, HAS_DOCUMENTS, EULER, EXACT,
+            grad_k, grad_v, grad_dist_sum, k, values, sq_keys, close_bounds, cols, _tile_start(index, plain, BLOCK_M),
+            slab, Q, V, SqNorms, GradOut, Lse, Delta, OwnDot, key_keep_row, docs, num_queries, num_keys, scale_log2,
+            exponent, use_high, eps, HEAD_DIM, VALUE_DIM, BLOCK_D, BLOCK_DV, BLOCK_M, POWER_LOW, POWER_HIGH, False,
+            IS_CAUSAL, HAS_KEY_MASK, HAS_DOCUMENTS, EULER, EXACT,
         )  # fmt: skip
-        has_close |= close.to(tl.int32)
+        has_close |= close
     for index in range(0, num_masked):
         grad_k, grad_v, grad_dist_sum, close = _dkdv_tile(
-            grad_k, grad_v, grad_dist_sum, k, values, sq_keys, cols, _tile_start(index, masked, BLOCK_M), slab, Q,
-            V, SqNorms, GradOut, Lse, Delta, OwnDot, key_keep_row, docs, num_queries, num_keys, scale_log2, exponent,
-            use_high, eps, HEAD_DIM, VALUE_DIM, BLOCK_D, BLOCK_DV, BLOCK_M, POWER_LOW, POWER_HIGH, True, IS_CAUSAL,
-            HAS_KEY_MASK, HAS_DOCUMENTS, EULER, EXACT,
+            grad_k, grad_v, grad_dist_sum, k, values, sq_keys, close_bounds, cols, _tile_start(index, masked, BLOCK_M),
+            slab, Q, V, SqNorms, GradOut, Lse, Delta, OwnDot, key_keep_row, docs, num_queries, num_keys, scale_log2,
+            exponent, use_high, eps, HEAD_DIM, VALUE_DIM, BLOCK_D, BLOCK_DV, BLOCK_M, POWER_LOW, POWER_HIGH, True,
+            IS_CAUSAL, HAS_KEY_MASK, HAS_DOCUMENTS, EULER, EXACT,
         )  # fmt: skip
-        has_close |= close.to(tl.int32)
+        has_close |= close
 
-    stored_keys = _pass_rows(exact_block, has_close, num_keys, EXACT)
+    stored_keys = _pass_rows(exact_block, tl.max(has_close), num_keys, EXACT)
     grad_v -= grad_dist_sum[:, None] * values.to(tl.float32)
     # The dq kernel, launched before, left each query's own-value part in float32 (the keys at or after the offset
     # are queries' values); dv is stored once, in the values' dtype.
@@ -897,7 +910,7 @@ def _plap_bwd_dkdv_kernel(
 
 
 @jit
-def _dq_tile(grad_q, grad_v_own, grad_dist_sum, q, v_query, sq_query_eps, close_bound, grad_out, lse, delta, own_dot,
+def _dq_tile(grad_q, grad_v_own, grad_dist_sum, q, v_query, sq_query_eps, close_bounds, grad_out, lse, delta, own_dot,
              rows, start, K, V, SqNorms, key_keep_row, docs, num_queries, num_keys, scale_log2, exponent, use_high, eps,
              HEAD_DIM: constexpr, VALUE_DIM: constexpr, BLOCK_D: constexpr, BLOCK_DV: constexpr,
              BLOCK_N: constexpr, POWER_LOW: constexpr, POWER_HIGH: constexpr, MASKED: constexpr, IS_CAUSAL: constexpr,
@@ -907,7 +920,7 @@ def _dq_tile(grad_q, grad_v_own, grad_dist_sum, q, v_query, sq_query_eps, close_
     values = _load_rows(V, cols, num_keys, VALUE_DIM, BLOCK_DV, MASKED)
     sq_keys = _load_vector(SqNorms, cols, num_keys, 0.0, MASKED)
     weights, grad_scores, grad_dist, has_close = _tile_grads(
-        q, k, v_query, values, sq_query_eps, close_bound, sq_keys, grad_out, lse, delta, own_dot, V, rows, cols,
+        q, k, v_query, values, sq_query_eps, close_bounds, sq_keys, grad_out, lse, delta, own_dot, V, rows, cols,
         key_keep_row, docs, num_queries, num_keys, scale_log2, exponent, use_high, eps, VALUE_DIM, POWER_LOW,
         POWER_HIGH, MASKED, IS_CAUSAL, HAS_KEY_MASK, HAS_DOCUMENTS, EULER, 0, EXACT,
     )  # fmt: skip
@@ -938,10 +951,11 @@ def _plap_bwd_dq_kernel(
     SqNorms += slab * num_keys
     key_keep_row = KeyKeep + (slab // num_heads) * num_keys
     q = _load_rows(Q + slab * num_queries * HEAD_DIM, rows, num_queries, HEAD_DIM, BLOCK_D)
-    v_query, sq_query_eps, close_bound, grad_out, lse, _, _ = _query_side(
+    v_query, sq_query_eps, grad_out, lse, _, _ = _query_side(
         slab, rows, V, SqNorms, GradOut, Lse, Delta, OwnDot, num_queries, num_keys, eps, VALUE_DIM, BLOCK_DV, False,
         True,
     )  # fmt: skip
+    close_bounds = _close_bounds(sq_query_eps, eps, 0)
     delta, own_dot = _row_stats(Out, Delta, OwnDot, slab, rows, grad_out, v_query, num_queries, VALUE_DIM, BLOCK_DV,
                                 EULER)  # fmt: skip
     docs, span = _fixed_documents(Documents, slab, num_heads, rows, num_keys, HAS_DOCUMENTS)
@@ -952,27 +966,27 @@ def _plap_bwd_dq_kernel(
     plain, masked = _key_loop_bounds(pid_m, num_queries, num_keys, span, BLOCK_M, BLOCK_N, IS_CAUSAL,
                                      HAS_KEY_MASK)  # fmt: skip
     num_plain, num_masked = plain[0], masked[0]
-    has_close = tl.zeros([], tl.int32)
+    has_close = tl.zeros([BLOCK_M], tl.int32)
     for index in range(0, num_plain):
         grad_q, grad_v_own, grad_dist_sum, close = _dq_tile(
-            grad_q, grad_v_own, grad_dist_sum, q, v_query, sq_query_eps, close_bound, grad_out, lse, delta, own_dot,
+            grad_q, grad_v_own, grad_dist_sum, q, v_query, sq_query_eps, close_bounds, grad_out, lse, delta, own_dot,
             rows,
             _tile_start(index, plain, BLOCK_N), K, V, SqNorms, key_keep_row, docs, num_queries, num_keys, scale_log2,
             exponent, use_high, eps, HEAD_DIM, VALUE_DIM, BLOCK_D, BLOCK_DV, BLOCK_N, POWER_LOW, POWER_HIGH, False,
             IS_CAUSAL, HAS_KEY_MASK, HAS_DOCUMENTS, EULER, EXACT,
         )  # fmt: skip
-        has_close |= close.to(tl.int32)
+        has_close |= close
     for index in range(0, num_masked):
         grad_q, grad_v_own, grad_dist_sum, close = _dq_tile(
-            grad_q, grad_v_own, grad_dist_sum, q, v_query, sq_query_eps, close_bound, grad_out, lse, delta, own_dot,
+            grad_q, grad_v_own, grad_dist_sum, q, v_query, sq_query_eps, close_bounds, grad_out, lse, delta, own_dot,
             rows,
             _tile_start(index, masked, BLOCK_N), K, V, SqNorms, key_keep_row, docs, num_queries, num_keys, scale_log2,
             exponent, use_high, eps, HEAD_DIM, VALUE_DIM, BLOCK_D, BLOCK_DV, BLOCK_N, POWER_LOW, POWER_HIGH, True,
             IS_CAUSAL, HAS_KEY_MASK, HAS_DOCUMENTS, EULER, EXACT,
         )  # fmt: skip
-        has_close |= close.to(tl.int32)
+        has_close |= close
 
-    stored_rows = _pass_rows(exact_block, has_close, num_queries, EXACT)
+    stored_rows = _pass_rows(exact_block, tl.max(has_close), num_queries, EXACT)
     _store_rows(GradQ + slab * num_queries * HEAD_DIM, rows, stored_rows, grad_q * (scale_log2 * LN_2), HEAD_DIM,
                 BLOCK_D)  # fmt: skip
     # dv_x += 2 sum_y dL/dD2 (v_x - v_y), plus for euler the direct dU_x (1 - rowsum W_off).
