@@ -507,11 +507,12 @@ def _close_bounds(sq_fixed_eps, eps, QUERY_AXIS: constexpr):
 
 
 @jit
-def _distances(v_query, sq_query_eps, close_bounds, values, sq_keys, V, rows, cols, num_keys, offset, eps,
+def _distances(v_query, sq_query, close_bounds, values, sq_keys, V, rows, cols, num_keys, offset, eps,
                VALUE_DIM: constexpr, MASKED: constexpr, QUERY_AXIS: constexpr, EXACT: constexpr):  # fmt: skip
-    """D2 + eps from the squared norms (eps already in the query's), the self-pair tile (None-free: all false where
-    the loop split excludes self pairs, MASKED false), and which rows of the tile (the fixed block's) have close pairs
-    (int32 per row: a loop accumulates them without reducing across warps in every tile).
+    """D2 + eps from the squared norms (eps in the fixed block's, added once per program, not in the loop's), the
+    self-pair tile (None-free: all false where the loop split excludes self pairs, MASKED false), and which rows of
+    the tile (the fixed block's) have close pairs (int32 per row: a loop accumulates them without reducing across
+    warps in every tile).
 
     The expansion's rounding, a few u (|v_x|^2 + |v_y|^2), would decide P where values nearly coincide: a tile with
     close pairs (CLOSE_PAIR) recomputes all its pairs by direct differences, one value coordinate at a time from
@@ -520,7 +521,10 @@ def _distances(v_query, sq_query_eps, close_bounds, values, sq_keys, V, rows, co
     (the diagonal band, the partial ones) neither makes the tile recompute. Elsewhere the expansion is positive.
     Without EXACT the tile keeps the expansion and only reports its close pairs (each kernel's first pass)."""
     cross = _pair_dot(v_query, values, QUERY_AXIS)
-    dist_eps = _per_query(sq_query_eps, QUERY_AXIS) + _per_key(sq_keys, QUERY_AXIS) - 2 * cross
+    dist_eps = _per_query(sq_query, QUERY_AXIS) + _per_key(sq_keys, QUERY_AXIS) - 2 * cross
+    sq_query_eps = sq_query
+    if QUERY_AXIS == 1:
+        sq_query_eps += eps
     is_self = _per_key(cols, QUERY_AXIS) == _per_query(rows, QUERY_AXIS) + offset
     if MASKED:
         inside = (_per_query(rows, QUERY_AXIS) < num_keys - offset) & (_per_key(cols, QUERY_AXIS) < num_keys)
@@ -537,7 +541,7 @@ def _distances(v_query, sq_query_eps, close_bounds, values, sq_keys, V, rows, co
             key_side = tl.load(V + cols * VALUE_DIM + dim, mask=key_in, other=0.0).to(tl.float32)
             diff = _per_query(query_side, QUERY_AXIS) - _per_key(key_side, QUERY_AXIS)
             dist_eps += diff * diff
-        bound = COINCIDING * (_per_query(sq_query_eps - eps, QUERY_AXIS) + _per_key(sq_keys, QUERY_AXIS))
+        bound = COINCIDING * (_per_query(sq_query, QUERY_AXIS) + _per_key(sq_keys, QUERY_AXIS) - eps)
         dist_eps = tl.where(dist_eps <= bound, 0.0, dist_eps) + eps
     if MASKED:
         dist_eps = tl.where(is_self, eps, dist_eps)
@@ -747,7 +751,7 @@ def _plap_fwd_kernel(
 
 @jit
 def _tile_grads(
-    q, k, v_query, values, sq_query_eps, close_bounds, sq_keys, grad_out, lse, delta, own_dot, V, rows, cols,
+    q, k, v_query, values, sq_query, close_bounds, sq_keys, grad_out, lse, delta, own_dot, V, rows, cols,
     key_keep_row, docs, num_queries, num_keys, scale_log2, exponent, use_high, eps, VALUE_DIM: constexpr,
     POWER_LOW: constexpr, POWER_HIGH: constexpr, MASKED: constexpr, IS_CAUSAL: constexpr, HAS_KEY_MASK: constexpr,
     HAS_DOCUMENTS: constexpr, EULER: constexpr, QUERY_AXIS: constexpr, EXACT: constexpr,
@@ -760,7 +764,7 @@ def _tile_grads(
                             key_keep_row, docs, MASKED, IS_CAUSAL, HAS_KEY_MASK, HAS_DOCUMENTS,
                             QUERY_AXIS)  # fmt: skip
     attn = tl.exp2(scores - _per_query(lse, QUERY_AXIS))
-    dist_eps, is_self, has_close = _distances(v_query, sq_query_eps, close_bounds, values, sq_keys, V, rows, cols,
+    dist_eps, is_self, has_close = _distances(v_query, sq_query, close_bounds, values, sq_keys, V, rows, cols,
                                               num_keys, num_keys - num_queries, eps, VALUE_DIM, MASKED, QUERY_AXIS,
                                               EXACT)  # fmt: skip
     power, inv_dist = _head_power(dist_eps, exponent, use_high, POWER_LOW, POWER_HIGH)
@@ -789,7 +793,7 @@ def _query_side(slab, rows, V, SqNorms, GradOut, Lse, Delta, OwnDot, num_queries
     offset = num_keys - num_queries
     stats = slab * num_queries
     v_query = _load_rows(V + offset * VALUE_DIM, rows, num_queries, VALUE_DIM, BLOCK_DV, CHECK_ROWS)
-    sq_query_eps = _load_vector(SqNorms + offset, rows, num_queries, 0.0, CHECK_ROWS) + eps
+    sq_query = _load_vector(SqNorms + offset, rows, num_queries, 0.0, CHECK_ROWS)
     grad_out = _load_rows(GradOut + stats * VALUE_DIM, rows, num_queries, VALUE_DIM, BLOCK_DV, CHECK_ROWS)
     lse = _load_vector(Lse + stats, rows, num_queries, float("inf"), CHECK_ROWS)
     delta = lse  # not read: the dq kernel computes its own (``_row_stats``)
@@ -797,7 +801,7 @@ def _query_side(slab, rows, V, SqNorms, GradOut, Lse, Delta, OwnDot, num_queries
     if LOAD_STATS:
         delta = _load_vector(Delta + stats, rows, num_queries, 0.0, CHECK_ROWS)
         own_dot = _load_vector(OwnDot + stats, rows, num_queries, 0.0, CHECK_ROWS)
-    return v_query, sq_query_eps, grad_out, lse, delta, own_dot
+    return v_query, sq_query, grad_out, lse, delta, own_dot
 
 
 @jit
@@ -822,20 +826,20 @@ def _row_stats(Out, Delta, OwnDot, slab, rows, grad_out, v_query, num_queries, V
 
 
 @jit
-def _dkdv_tile(grad_k, grad_v, grad_dist_sum, k, values, sq_keys, close_bounds, cols, start, slab, Q, V, SqNorms,
+def _dkdv_tile(grad_k, grad_v, grad_dist_sum, k, values, sq_keys_eps, close_bounds, cols, start, slab, Q, V, SqNorms,
                GradOut, Lse, Delta, OwnDot, key_keep_row, docs, num_queries, num_keys, scale_log2, exponent, use_high,
                eps, HEAD_DIM: constexpr, VALUE_DIM: constexpr, BLOCK_D: constexpr, BLOCK_DV: constexpr,
                BLOCK_M: constexpr, POWER_LOW: constexpr, POWER_HIGH: constexpr, MASKED: constexpr, IS_CAUSAL: constexpr,
                HAS_KEY_MASK: constexpr, HAS_DOCUMENTS: constexpr, EULER: constexpr, EXACT: constexpr):  # fmt: skip
     rows = start + tl.arange(0, BLOCK_M)
     q = _load_rows(Q + slab * num_queries * HEAD_DIM, rows, num_queries, HEAD_DIM, BLOCK_D, MASKED)
-    v_query, sq_query_eps, grad_out, lse, delta, own_dot = _query_side(
+    v_query, sq_query, grad_out, lse, delta, own_dot = _query_side(
         slab, rows, V, SqNorms, GradOut, Lse, Delta, OwnDot, num_queries, num_keys, eps, VALUE_DIM, BLOCK_DV, True,
         MASKED,
     )  # fmt: skip
     # (keys, queries) tiles
     weights, grad_scores, grad_dist, has_close = _tile_grads(
-        q, k, v_query, values, sq_query_eps, close_bounds, sq_keys, grad_out, lse, delta, own_dot, V, rows, cols,
+        q, k, v_query, values, sq_query, close_bounds, sq_keys_eps, grad_out, lse, delta, own_dot, V, rows, cols,
         key_keep_row, docs, num_queries, num_keys, scale_log2, exponent, use_high, eps, VALUE_DIM, POWER_LOW,
         POWER_HIGH, MASKED, IS_CAUSAL, HAS_KEY_MASK, HAS_DOCUMENTS, EULER, 1, EXACT,
     )  # fmt: skip
@@ -869,8 +873,8 @@ def _plap_bwd_dkdv_kernel(
     key_keep_row = KeyKeep + (slab // num_heads) * num_keys
     k = _load_rows(K + slab * num_keys * HEAD_DIM, cols, num_keys, HEAD_DIM, BLOCK_D)
     values = _load_rows(V, cols, num_keys, VALUE_DIM, BLOCK_DV)
-    sq_keys = tl.load(SqNorms + cols, mask=cols < num_keys, other=0.0)
-    close_bounds = _close_bounds(sq_keys + eps, eps, 1)
+    sq_keys_eps = tl.load(SqNorms + cols, mask=cols < num_keys, other=0.0) + eps
+    close_bounds = _close_bounds(sq_keys_eps, eps, 1)
     docs, span = _fixed_documents(Documents, slab, num_heads, cols, num_keys, HAS_DOCUMENTS)
 
     grad_k = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
@@ -882,18 +886,18 @@ def _plap_bwd_dkdv_kernel(
     has_close = tl.zeros([BLOCK_N], tl.int32)  # per key
     for index in range(0, num_plain):
         grad_k, grad_v, grad_dist_sum, close = _dkdv_tile(
-            grad_k, grad_v, grad_dist_sum, k, values, sq_keys, close_bounds, cols, _tile_start(index, plain, BLOCK_M),
-            slab, Q, V, SqNorms, GradOut, Lse, Delta, OwnDot, key_keep_row, docs, num_queries, num_keys, scale_log2,
-            exponent, use_high, eps, HEAD_DIM, VALUE_DIM, BLOCK_D, BLOCK_DV, BLOCK_M, POWER_LOW, POWER_HIGH, False,
-            IS_CAUSAL, HAS_KEY_MASK, HAS_DOCUMENTS, EULER, EXACT,
+            grad_k, grad_v, grad_dist_sum, k, values, sq_keys_eps, close_bounds, cols,
+            _tile_start(index, plain, BLOCK_M), slab, Q, V, SqNorms, GradOut, Lse, Delta, OwnDot, key_keep_row, docs,
+            num_queries, num_keys, scale_log2, exponent, use_high, eps, HEAD_DIM, VALUE_DIM, BLOCK_D, BLOCK_DV,
+            BLOCK_M, POWER_LOW, POWER_HIGH, False, IS_CAUSAL, HAS_KEY_MASK, HAS_DOCUMENTS, EULER, EXACT,
         )  # fmt: skip
         has_close |= close
     for index in range(0, num_masked):
         grad_k, grad_v, grad_dist_sum, close = _dkdv_tile(
-            grad_k, grad_v, grad_dist_sum, k, values, sq_keys, close_bounds, cols, _tile_start(index, masked, BLOCK_M),
-            slab, Q, V, SqNorms, GradOut, Lse, Delta, OwnDot, key_keep_row, docs, num_queries, num_keys, scale_log2,
-            exponent, use_high, eps, HEAD_DIM, VALUE_DIM, BLOCK_D, BLOCK_DV, BLOCK_M, POWER_LOW, POWER_HIGH, True,
-            IS_CAUSAL, HAS_KEY_MASK, HAS_DOCUMENTS, EULER, EXACT,
+            grad_k, grad_v, grad_dist_sum, k, values, sq_keys_eps, close_bounds, cols,
+            _tile_start(index, masked, BLOCK_M), slab, Q, V, SqNorms, GradOut, Lse, Delta, OwnDot, key_keep_row, docs,
+            num_queries, num_keys, scale_log2, exponent, use_high, eps, HEAD_DIM, VALUE_DIM, BLOCK_D, BLOCK_DV,
+            BLOCK_M, POWER_LOW, POWER_HIGH, True, IS_CAUSAL, HAS_KEY_MASK, HAS_DOCUMENTS, EULER, EXACT,
         )  # fmt: skip
         has_close |= close
 
@@ -951,10 +955,11 @@ def _plap_bwd_dq_kernel(
     SqNorms += slab * num_keys
     key_keep_row = KeyKeep + (slab // num_heads) * num_keys
     q = _load_rows(Q + slab * num_queries * HEAD_DIM, rows, num_queries, HEAD_DIM, BLOCK_D)
-    v_query, sq_query_eps, grad_out, lse, _, _ = _query_side(
+    v_query, sq_query, grad_out, lse, _, _ = _query_side(
         slab, rows, V, SqNorms, GradOut, Lse, Delta, OwnDot, num_queries, num_keys, eps, VALUE_DIM, BLOCK_DV, False,
         True,
     )  # fmt: skip
+    sq_query_eps = sq_query + eps
     close_bounds = _close_bounds(sq_query_eps, eps, 0)
     delta, own_dot = _row_stats(Out, Delta, OwnDot, slab, rows, grad_out, v_query, num_queries, VALUE_DIM, BLOCK_DV,
                                 EULER)  # fmt: skip
