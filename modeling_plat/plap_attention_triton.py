@@ -345,18 +345,27 @@ def _log2(x):
 
 
 @jit
+def _reciprocal(x):
+    if HARDWARE_LOG2:  # MUFU.RCP; 1 / x is a correctly rounded division, about 8 instructions
+        return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
+                                         pack=1)  # fmt: skip
+    else:
+        return 1.0 / x
+
+
+@jit
 def _power(dist_eps, exponent, POWER: constexpr):
-    """P = dist_eps ** exponent and 1 / dist_eps, with approximate special functions (relative error ~2^-22)."""
+    """P = dist_eps ** exponent and 1 / dist_eps, with approximate special functions (relative error ~2^-22). The
+    paper's classes take square roots: rsqrt then sqrt for -1/4 (1 / dist_eps its square), two sqrt for 1/4 and a
+    reciprocal (the forward, which needs no 1 / dist_eps, drops it unused)."""
     if POWER == POWER_ANY:
         log = _log2(dist_eps)
         return tl.exp2(exponent * log), tl.exp2(-log)
-    else:
+    elif POWER == POWER_MINUS_QUARTER:
         rsqrt = tl.rsqrt(dist_eps)
-        if POWER == POWER_MINUS_QUARTER:
-            power = tl.sqrt(rsqrt)
-        else:
-            power = tl.sqrt(dist_eps * rsqrt)
-        return power, rsqrt * rsqrt
+        return tl.sqrt(rsqrt), rsqrt * rsqrt
+    else:
+        return tl.sqrt(tl.sqrt(dist_eps)), _reciprocal(dist_eps)
 
 
 @jit
