@@ -6,7 +6,7 @@ Here the forward, dK/dV and dQ kernels (each a first pass and an exact pass) are
 (benchmarks/triton_aot.py: triton.compile for GPUTarget("cuda", arch, 32) and the ptxas of Triton's wheel) for sm_80
 (A100, and the configurations that the other 8.x GPUs share) and sm_90 (H100), for each dtype and head size that
 ``triton_unsupported_reason`` admits there. Each must compile and its shared memory must fit the smallest limit among the GPUs that use its
-configuration; registers and spills are printed.
+configuration (the default cases also spill at most 4 KB per thread); registers and spills are printed.
 
 Compiled: every admitted (arch, dtype, head size) with causal + key padding + euler + packed documents (every
 optional branch of the kernels, and the most state; packed rows have as many queries as keys), at head sizes 16, 32, 64, 128 (one per padded size) and 80 (not a power of
@@ -108,9 +108,17 @@ def slow_results(request, tmp_path_factory, pytestconfig):
     return compile_all(cases, tmp_path_factory, pytestconfig)
 
 
-def check(result, arch):
+# Spill stores per thread of any default case. A tile that ptxas cannot allocate falls back to a few registers and
+# kilobytes of local memory (sm_80 dK/dV at 16 x 128 with two p in one launch: 32 registers, 11-13 KB); today's largest
+# are the exact passes under every branch at head size 128 on sm_90, 2.1 KB.
+MAX_SPILL_BYTES = 4096
+
+
+def check(result, arch, max_spill=None):
     assert result["ok"], result["error"] + "\n" + result["trace"]
     assert result["shared"] <= shared_memory_limit(arch), f"{result['shared']} bytes of shared memory"
+    if max_spill is not None:
+        assert result["spill_stores"] <= max_spill, f"{result['spill_stores']} bytes of spills per thread"
 
 
 def case_kernel_params(cases):
@@ -119,7 +127,7 @@ def case_kernel_params(cases):
 
 @pytest.mark.parametrize("case, kernel", case_kernel_params(DEFAULT_CASES))
 def test_kernel_compiles_and_fits(default_results, case, kernel):
-    check(default_results[case_id(case), kernel], case["arch"])
+    check(default_results[case_id(case), kernel], case["arch"], MAX_SPILL_BYTES)
 
 
 @pytest.mark.slow
