@@ -797,8 +797,8 @@ def _tile_grads(
 @jit
 def _query_side(slab, rows, V, SqNorms, GradOut, Lse, Delta, OwnDot, num_queries, num_keys, eps,
                 VALUE_DIM: constexpr, BLOCK_DV: constexpr, LOAD_STATS: constexpr, CHECK_ROWS: constexpr):  # fmt: skip
-    """What a backward tile needs of a block of queries besides q: own values, their squared norms + eps, dU, the
-    logsumexp, and (``LOAD_STATS``) the row statistics."""
+    """What a backward tile needs of a block of queries besides q: own values, their squared norms (without eps: the
+    fixed block's carry it), dU, the logsumexp, and (``LOAD_STATS``) the row statistics."""
     offset = num_keys - num_queries
     stats = slab * num_queries
     v_query = _load_rows(V + offset * VALUE_DIM, rows, num_queries, VALUE_DIM, BLOCK_DV, CHECK_ROWS)
