@@ -704,7 +704,6 @@ def _plap_fwd_kernel(
     use_high, exponent = _head_exponent(run_head, high_heads, exponent_low, exponent_high)
     offset = num_keys - num_queries  # query i is the token at key position offset + i
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_in = rows < num_queries
     K += slab * num_keys * HEAD_DIM
     V += slab * num_keys * VALUE_DIM
     SqNorms += slab * num_keys
@@ -712,7 +711,7 @@ def _plap_fwd_kernel(
     key_keep_row = KeyKeep + (slab // num_heads) * num_keys
     q = _load_rows(Q + slab * num_queries * HEAD_DIM, rows, num_queries, HEAD_DIM, BLOCK_D)
     v_query = _load_rows(V, rows + offset, num_keys, VALUE_DIM, BLOCK_DV)
-    sq_query_eps = tl.load(SqNorms + rows + offset, mask=row_in, other=0.0) + eps
+    sq_query_eps = _load_vector(SqNorms + offset, rows, num_queries, 0.0) + eps
     close_bounds = _close_bounds(sq_query_eps, eps, 0)
     docs, span = _fixed_documents(Documents, slab, num_heads, rows, num_keys, HAS_DOCUMENTS)
 
@@ -882,7 +881,7 @@ def _plap_bwd_dkdv_kernel(
     key_keep_row = KeyKeep + (slab // num_heads) * num_keys
     k = _load_rows(K + slab * num_keys * HEAD_DIM, cols, num_keys, HEAD_DIM, BLOCK_D)
     values = _load_rows(V, cols, num_keys, VALUE_DIM, BLOCK_DV)
-    sq_keys_eps = tl.load(SqNorms + cols, mask=cols < num_keys, other=0.0) + eps
+    sq_keys_eps = _load_vector(SqNorms, cols, num_keys, 0.0) + eps
     close_bounds = _close_bounds(sq_keys_eps, eps, 1)
     docs, span = _fixed_documents(Documents, slab, num_heads, cols, num_keys, HAS_DOCUMENTS)
 
