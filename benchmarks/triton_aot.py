@@ -77,13 +77,12 @@ def launches(triton_module, case):
     grads = [torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value), torch.zeros(out.shape)]
     config = triton_module.launch_config(dtype, d, dv, (case["arch"] // 10, case["arch"] % 10))
     flags = (case_p(case), case["is_causal"], 1e-6, case["euler"], config)
-    counts = triton_module.exact_block_counts(query, key, config)
+    exact_blocks = [torch.zeros(count, dtype=torch.int32) for count in
+                    triton_module.exact_block_counts(query, key, config)]  # fmt: skip
     forward = triton_module.forward_launches(query, key, value, sq_norms, key_keep, documents, out, stats, stats,
-                                             torch.zeros(counts[0], dtype=torch.int32), *flags)  # fmt: skip
+                                             exact_blocks, *flags)  # fmt: skip
     backward = triton_module.backward_launches(query, key, value, sq_norms, key_keep, documents, out, out, stats,
-                                               stats, stats, stats, *grads,
-                                               [torch.zeros(count, dtype=torch.int32) for count in counts[1:]],
-                                               *flags)  # fmt: skip
+                                               stats, stats, stats, *grads, exact_blocks, *flags)  # fmt: skip
     return zip(KERNELS, (*forward, *backward))
 
 

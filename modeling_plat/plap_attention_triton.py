@@ -11,11 +11,13 @@ Same maths and backward as ``plap_attention_tiled`` (see its docstring), with ea
   (the distance terms of each query's own value, kept in float32).
 - ``_plap_bwd_dkdv_kernel``: one program per (key block, batch * head); loops over query blocks for dk
   and the key-side part of dv, adds the query side and stores dv once in the values' dtype.
-- Each of the three runs twice over its grid (``EXACT``): a first pass with the distances' expansion alone, where a
-  block that meets a close pair (below) stores only a flag, then an exact pass that redoes the flagged blocks. The
-  close pairs' direct differences take code and registers that would cut the blocks per SM to one. Calls of at most
-  ``ONE_PASS_PAIRS`` pairs run the exact pass alone, every block flagged: one launch per kernel, where the GPU would
-  wait for the host's launches rather than for the kernels.
+- Each of the three runs twice over its grid (``EXACT``): a first pass with the distances' expansion alone, then an
+  exact pass over the blocks that have close pairs (below). The forward's first pass finds them: a block that meets
+  one stores only a flag. Its exact pass redoes those blocks and flags each key tile in which it met one, so that the
+  backward's passes split their blocks by the forward's flags (dq by query, dk/dv by key) without a test of their own
+  in the first pass. The close pairs' direct differences take code and registers that would cut the blocks per SM
+  to one. Calls of at most ``ONE_PASS_PAIRS`` pairs run the exact pass alone, every block flagged: one launch per
+  kernel, where the GPU would wait for the host's launches rather than for the kernels.
 - The values' squared norms, float32, before the forward: two ATen operations (a norm reduction that reads the
   values once, and its square), whose host time is a fraction of a Triton launch's.
 
@@ -505,8 +507,8 @@ def _masked_scores(scores, rows, cols, num_queries, num_keys, key_keep_row, docs
 @jit
 def _close_bounds(sq_fixed_eps, eps, QUERY_AXIS: constexpr):
     """Per row of a kernel's fixed block, the distance (D2 + eps) at or below which a plain tile's row has a close pair.
-    Queries (forward, dq): the pair rule itself, CLOSE_PAIR (|v_x|^2 + eps) + eps. Keys (dkdv): a wider net computed
-    once per program, 2 CLOSE_PAIR (|v_y|^2 + eps) + eps, which holds every pair that the rule calls close
+    Queries (forward, dq): the pair rule itself, CLOSE_PAIR (|v_x|^2 + eps) + eps. Keys (dkdv's exact pass): a wider
+    net computed once per program, 2 CLOSE_PAIR (|v_y|^2 + eps) + eps, which holds every pair that the rule calls close
     (docs/numerics.md)."""
     if QUERY_AXIS == 0:
         bounds = sq_fixed_eps * CLOSE_PAIR + eps
@@ -528,7 +530,8 @@ def _distances(v_query, sq_query, close_bounds, values, sq_keys, V, rows, cols, 
     memory (no second tile and no mask stay live across that loop), and sets its coinciding pairs (COINCIDING) to
     exactly eps. Self pairs are exactly eps without it, and pairs outside the inputs are masked: in the masked tiles
     (the diagonal band, the partial ones) neither makes the tile recompute. Elsewhere the expansion is positive.
-    Without EXACT the tile keeps the expansion and only reports its close pairs (each kernel's first pass)."""
+    Without EXACT the tile keeps the expansion and only reports its close pairs (the forward's first pass reads them,
+    the backward's, whose blocks the forward has cleared, leave them unused)."""
     cross = _pair_dot(v_query, values, QUERY_AXIS)
     dist_eps = _per_query(sq_query, QUERY_AXIS) + _per_key(sq_keys, QUERY_AXIS) - 2 * cross
     sq_query_eps = sq_query
@@ -639,9 +642,18 @@ def _query_loop_bounds(pid_n, num_queries, num_keys, span, BLOCK_M: constexpr, B
 
 
 @jit
+def _forward_flagged(Flags, first, size, SPAN: constexpr, FLAG_BLOCK: constexpr):
+    """Whether the forward flagged a block of FLAG_BLOCK positions that holds any of [first, first + SPAN) (below
+    ``size``): a backward program's own flag, its block's queries (dq) or keys (dk/dv) against the forward's query
+    blocks or key tiles."""
+    positions = first + tl.arange(0, SPAN)
+    return tl.max(tl.load(Flags + positions // FLAG_BLOCK, mask=positions < size, other=0)) != 0
+
+
+@jit
 def _pass_rows(exact_block, has_close, num_rows, EXACT: constexpr):
-    """How many rows of its block a program stores in this pass, all or none; the first pass records its flag (1 where
-    a tile had close pairs, whose distances it left expanded). The exact pass runs flagged blocks only."""
+    """How many rows of its block a forward program stores in this pass, all or none; the first pass records its flag
+    (1 where a tile had close pairs, whose distances it left expanded). The exact pass runs flagged blocks only."""
     if EXACT:
         stored = num_rows
     else:
@@ -651,13 +663,13 @@ def _pass_rows(exact_block, has_close, num_rows, EXACT: constexpr):
 
 
 @jit
-def _fwd_tile(q, v_query, sq_query_eps, close_bounds, row_max, row_sum, off_sum, acc, K, V, SqNorms, key_keep_row,
-              docs, rows, start, num_queries, num_keys, scale_log2, exponent, use_high, eps, HEAD_DIM: constexpr,
-              VALUE_DIM: constexpr, BLOCK_D: constexpr, BLOCK_DV: constexpr, BLOCK_N: constexpr,
+def _fwd_tile(q, v_query, sq_query_eps, close_bounds, row_max, row_sum, off_sum, acc, K, V, SqNorms, KeyTiles,
+              key_keep_row, docs, rows, start, num_queries, num_keys, scale_log2, exponent, use_high, eps,
+              HEAD_DIM: constexpr, VALUE_DIM: constexpr, BLOCK_D: constexpr, BLOCK_DV: constexpr, BLOCK_N: constexpr,
               POWER_LOW: constexpr, POWER_HIGH: constexpr, MASKED: constexpr, IS_CAUSAL: constexpr,
               HAS_KEY_MASK: constexpr, HAS_DOCUMENTS: constexpr, EULER: constexpr, EXACT: constexpr):  # fmt: skip
-    """One key block of the online softmax, and whether it has close pairs; scores in log2 units (log2(e) folded
-    into the scale)."""
+    """One key block of the online softmax, and whether it has close pairs (the exact pass flags its key tile for the
+    backward); scores in log2 units (log2(e) folded into the scale)."""
     cols = start + tl.arange(0, BLOCK_N)
     k = _load_rows(K, cols, num_keys, HEAD_DIM, BLOCK_D, MASKED)
     values = _load_rows(V, cols, num_keys, VALUE_DIM, BLOCK_DV, MASKED)
@@ -672,6 +684,9 @@ def _fwd_tile(q, v_query, sq_query_eps, close_bounds, row_max, row_sum, off_sum,
     dist_eps, is_self, has_close = _distances(v_query, sq_query_eps, close_bounds, values, sq_keys, V, rows, cols,
                                               num_keys, num_keys - num_queries, eps, VALUE_DIM, MASKED, 0,
                                               EXACT)  # fmt: skip
+    if EXACT:
+        if _any(has_close):
+            tl.store(KeyTiles + start // BLOCK_N, 1)
     weights = expo * _head_power(dist_eps, exponent, use_high, POWER_LOW, POWER_HIGH)[0]
     if EULER:
         if MASKED:
@@ -683,7 +698,7 @@ def _fwd_tile(q, v_query, sq_query_eps, close_bounds, row_max, row_sum, off_sum,
 
 @jit(do_not_specialize=["high_heads"])  # a bit mask, not a size: one compilation serves every layout of p
 def _plap_fwd_kernel(
-    Q, K, V, SqNorms, KeyKeep, Documents, Out, Lse, OwnWeight, ExactBlocks,
+    Q, K, V, SqNorms, KeyKeep, Documents, Out, Lse, OwnWeight, ExactBlocks, KeyTiles,
     head_start, run_heads, num_heads, num_queries, num_keys, scale_log2, exponent_low, exponent_high,
     high_heads, eps,
     HEAD_DIM: constexpr, VALUE_DIM: constexpr, BLOCK_D: constexpr, BLOCK_DV: constexpr, BLOCK_M: constexpr,
@@ -693,9 +708,10 @@ def _plap_fwd_kernel(
     """Two passes over the same grid, as each kernel here runs. The first (EXACT false) computes D2 + eps by the
     expansion alone; a block with a close pair in any tile stores nothing but its flag in ExactBlocks (int32 per
     block, written by every program). The second (EXACT) redoes the flagged blocks with the close pairs' direct
-    differences; the others leave at once. The exact path's code and registers stay out of the first pass, which fits
-    more blocks per SM. (A flagged block's first-pass values may be inf or NaN where the expansion went to zero or
-    below: never stored.)"""
+    differences, and sets KeyTiles (int32 per key tile of BLOCK_N, zero before) where a tile had some; the others
+    leave at once. The backward's passes follow both flags. The exact path's code and registers stay out of the first
+    pass, which fits more blocks per SM. (A flagged block's first-pass values may be inf or NaN where the expansion
+    went to zero or below: never stored.)"""
     pid_m, slab, run_head = _program_ids(num_queries, head_start, run_heads, num_heads, BLOCK_M, IS_CAUSAL)
     exact_block = ExactBlocks + slab * tl.cdiv(num_queries, BLOCK_M) + pid_m
     if EXACT:
@@ -707,6 +723,7 @@ def _plap_fwd_kernel(
     K += slab * num_keys * HEAD_DIM
     V += slab * num_keys * VALUE_DIM
     SqNorms += slab * num_keys
+    KeyTiles += slab * tl.cdiv(num_keys, BLOCK_N)
     stats = slab * num_queries  # Lse and OwnWeight are (B, H, Nq)
     key_keep_row = KeyKeep + (slab // num_heads) * num_keys
     q = _load_rows(Q + slab * num_queries * HEAD_DIM, rows, num_queries, HEAD_DIM, BLOCK_D)
@@ -725,8 +742,8 @@ def _plap_fwd_kernel(
     has_close = tl.zeros([BLOCK_M], tl.int32)  # per query: whether its tiles had close pairs
     for index in range(0, num_plain):
         row_max, row_sum, off_sum, acc, close = _fwd_tile(
-            q, v_query, sq_query_eps, close_bounds, row_max, row_sum, off_sum, acc, K, V, SqNorms, key_keep_row, docs,
-            rows,
+            q, v_query, sq_query_eps, close_bounds, row_max, row_sum, off_sum, acc, K, V, SqNorms, KeyTiles,
+            key_keep_row, docs, rows,
             _tile_start(index, plain, BLOCK_N), num_queries, num_keys, scale_log2, exponent, use_high, eps,
             HEAD_DIM, VALUE_DIM, BLOCK_D, BLOCK_DV, BLOCK_N, POWER_LOW, POWER_HIGH, False, IS_CAUSAL, HAS_KEY_MASK,
             HAS_DOCUMENTS, EULER, EXACT,
@@ -734,8 +751,8 @@ def _plap_fwd_kernel(
         has_close |= close
     for index in range(0, num_masked):
         row_max, row_sum, off_sum, acc, close = _fwd_tile(
-            q, v_query, sq_query_eps, close_bounds, row_max, row_sum, off_sum, acc, K, V, SqNorms, key_keep_row, docs,
-            rows,
+            q, v_query, sq_query_eps, close_bounds, row_max, row_sum, off_sum, acc, K, V, SqNorms, KeyTiles,
+            key_keep_row, docs, rows,
             _tile_start(index, masked, BLOCK_N), num_queries, num_keys, scale_log2, exponent, use_high, eps,
             HEAD_DIM, VALUE_DIM, BLOCK_D, BLOCK_DV, BLOCK_N, POWER_LOW, POWER_HIGH, True, IS_CAUSAL, HAS_KEY_MASK,
             HAS_DOCUMENTS, EULER, EXACT,
@@ -817,8 +834,7 @@ def _row_stats(Out, Delta, OwnDot, slab, rows, grad_out, v_query, num_queries, V
                BLOCK_DV: constexpr, EULER: constexpr):  # fmt: skip
     """FlashAttention's D = rowsum(dU * U) of the dq kernel's own queries, in float32 from the stored operands;
     euler subtracts the own-value part dU . v_x (its ``own_dot``), which the paper formulation never reads. Stored
-    for the dkdv kernel, launched after, whose loops read every query's: by each pass (the same values where both
-    run), since a small call runs the exact pass alone."""
+    for the dkdv kernel, launched after, whose loops read every query's: by the pass that runs the block."""
     grad_out = grad_out.to(tl.float32)
     out = _load_rows(Out + slab * num_queries * VALUE_DIM, rows, num_queries, VALUE_DIM, BLOCK_DV)
     delta = tl.sum(grad_out * out.to(tl.float32), 1)
@@ -846,7 +862,7 @@ def _dkdv_tile(grad_k, grad_v, grad_dist_sum, k, values, sq_keys_eps, close_boun
         MASKED,
     )  # fmt: skip
     # (keys, queries) tiles
-    weights, grad_scores, grad_dist, has_close = _tile_grads(
+    weights, grad_scores, grad_dist, _ = _tile_grads(
         q, k, v_query, values, sq_query, close_bounds, sq_keys_eps, grad_out, lse, delta, own_dot, V, rows, cols,
         key_keep_row, docs, num_queries, num_keys, scale_log2, exponent, use_high, eps, VALUE_DIM, POWER_LOW,
         POWER_HIGH, MASKED, IS_CAUSAL, HAS_KEY_MASK, HAS_DOCUMENTS, EULER, 1, EXACT,
@@ -857,23 +873,24 @@ def _dkdv_tile(grad_k, grad_v, grad_dist_sum, k, values, sq_keys_eps, close_boun
     # loop.
     grad_dist_sum += tl.sum(grad_dist, 1)
     grad_v = _exact_dot(grad_dist, v_query, grad_v, EXACT)
-    return grad_k, grad_v, grad_dist_sum, has_close
+    return grad_k, grad_v, grad_dist_sum
 
 
 @jit(do_not_specialize=["high_heads"])
 def _plap_bwd_dkdv_kernel(
-    Q, K, V, SqNorms, KeyKeep, Documents, GradOut, Lse, Delta, OwnDot, GradVOwn, GradK, GradV, ExactBlocks,
+    Q, K, V, SqNorms, KeyKeep, Documents, GradOut, Lse, Delta, OwnDot, GradVOwn, GradK, GradV, KeyTiles,
     head_start, run_heads, num_heads, num_queries, num_keys, scale_log2, exponent_low, exponent_high,
     high_heads, eps,
     HEAD_DIM: constexpr, VALUE_DIM: constexpr, BLOCK_D: constexpr, BLOCK_DV: constexpr, BLOCK_M: constexpr,
     BLOCK_N: constexpr, POWER_LOW: constexpr, POWER_HIGH: constexpr, IS_CAUSAL: constexpr, HAS_KEY_MASK: constexpr,
-    HAS_DOCUMENTS: constexpr, EULER: constexpr, EXACT: constexpr,
+    HAS_DOCUMENTS: constexpr, EULER: constexpr, EXACT: constexpr, FLAG_BLOCK: constexpr,
 ):  # fmt: skip
+    """A key block goes to the exact pass where the forward's exact pass flagged a key tile (FLAG_BLOCK keys) that
+    holds any of its keys, and to the first pass otherwise; each pass leaves the other's blocks at once."""
     pid_n, slab, run_head = _program_ids(num_keys, head_start, run_heads, num_heads, BLOCK_N, False)
-    exact_block = ExactBlocks + slab * tl.cdiv(num_keys, BLOCK_N) + pid_n
-    if EXACT:
-        if tl.load(exact_block) == 0:  # not flagged: leave before loading anything (the pass's grid is the first's)
-            return
+    KeyTiles += slab * tl.cdiv(num_keys, FLAG_BLOCK)
+    if _forward_flagged(KeyTiles, pid_n * BLOCK_N, num_keys, BLOCK_N, FLAG_BLOCK) != EXACT:
+        return
     use_high, exponent = _head_exponent(run_head, high_heads, exponent_low, exponent_high)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     V += slab * num_keys * VALUE_DIM
@@ -891,34 +908,30 @@ def _plap_bwd_dkdv_kernel(
     plain, masked = _query_loop_bounds(pid_n, num_queries, num_keys, span, BLOCK_M, BLOCK_N, IS_CAUSAL,
                                        HAS_KEY_MASK)  # fmt: skip
     num_plain, num_masked = plain[0], masked[0]
-    has_close = tl.zeros([BLOCK_N], tl.int32)  # per key
     for index in range(0, num_plain):
-        grad_k, grad_v, grad_dist_sum, close = _dkdv_tile(
+        grad_k, grad_v, grad_dist_sum = _dkdv_tile(
             grad_k, grad_v, grad_dist_sum, k, values, sq_keys_eps, close_bounds, cols,
             _tile_start(index, plain, BLOCK_M), slab, Q, V, SqNorms, GradOut, Lse, Delta, OwnDot, key_keep_row, docs,
             num_queries, num_keys, scale_log2, exponent, use_high, eps, HEAD_DIM, VALUE_DIM, BLOCK_D, BLOCK_DV,
             BLOCK_M, POWER_LOW, POWER_HIGH, False, IS_CAUSAL, HAS_KEY_MASK, HAS_DOCUMENTS, EULER, EXACT,
         )  # fmt: skip
-        has_close |= close
     for index in range(0, num_masked):
-        grad_k, grad_v, grad_dist_sum, close = _dkdv_tile(
+        grad_k, grad_v, grad_dist_sum = _dkdv_tile(
             grad_k, grad_v, grad_dist_sum, k, values, sq_keys_eps, close_bounds, cols,
             _tile_start(index, masked, BLOCK_M), slab, Q, V, SqNorms, GradOut, Lse, Delta, OwnDot, key_keep_row, docs,
             num_queries, num_keys, scale_log2, exponent, use_high, eps, HEAD_DIM, VALUE_DIM, BLOCK_D, BLOCK_DV,
             BLOCK_M, POWER_LOW, POWER_HIGH, True, IS_CAUSAL, HAS_KEY_MASK, HAS_DOCUMENTS, EULER, EXACT,
         )  # fmt: skip
-        has_close |= close
 
-    stored_keys = _pass_rows(exact_block, tl.max(has_close), num_keys, EXACT)
     grad_v -= grad_dist_sum[:, None] * values.to(tl.float32)
     # The dq kernel, launched before, left each query's own-value part in float32 (the keys at or after the offset
     # are queries' values); dv is stored once, in the values' dtype.
     offset = num_keys - num_queries
     own_ptrs, col_in = _row_ptrs(GradVOwn + slab * num_queries * VALUE_DIM, cols - offset, VALUE_DIM, BLOCK_DV)
     grad_v += tl.load(own_ptrs, mask=((cols >= offset) & (cols < num_keys))[:, None] & col_in, other=0.0)
-    _store_rows(GradK + slab * num_keys * HEAD_DIM, cols, stored_keys, grad_k * (scale_log2 * LN_2), HEAD_DIM,
+    _store_rows(GradK + slab * num_keys * HEAD_DIM, cols, num_keys, grad_k * (scale_log2 * LN_2), HEAD_DIM,
                 BLOCK_D)  # fmt: skip
-    _store_rows(GradV + slab * num_keys * VALUE_DIM, cols, stored_keys, grad_v, VALUE_DIM, BLOCK_DV)
+    _store_rows(GradV + slab * num_keys * VALUE_DIM, cols, num_keys, grad_v, VALUE_DIM, BLOCK_DV)
 
 
 @jit
@@ -931,7 +944,7 @@ def _dq_tile(grad_q, grad_v_own, grad_dist_sum, q, v_query, sq_query_eps, close_
     k = _load_rows(K, cols, num_keys, HEAD_DIM, BLOCK_D, MASKED)
     values = _load_rows(V, cols, num_keys, VALUE_DIM, BLOCK_DV, MASKED)
     sq_keys = _load_vector(SqNorms, cols, num_keys, 0.0, MASKED)
-    weights, grad_scores, grad_dist, has_close = _tile_grads(
+    weights, grad_scores, grad_dist, _ = _tile_grads(
         q, k, v_query, values, sq_query_eps, close_bounds, sq_keys, grad_out, lse, delta, own_dot, V, rows, cols,
         key_keep_row, docs, num_queries, num_keys, scale_log2, exponent, use_high, eps, VALUE_DIM, POWER_LOW,
         POWER_HIGH, MASKED, IS_CAUSAL, HAS_KEY_MASK, HAS_DOCUMENTS, EULER, 0, EXACT,
@@ -939,23 +952,24 @@ def _dq_tile(grad_q, grad_v_own, grad_dist_sum, q, v_query, sq_query_eps, close_
     grad_q += tl.dot(grad_scores.to(k.dtype), k, input_precision=FLOAT32_DOT)
     grad_v_own = _exact_dot(grad_dist, values, grad_v_own, EXACT)
     grad_dist_sum += tl.sum(grad_dist, 1)
-    return grad_q, grad_v_own, grad_dist_sum, has_close
+    return grad_q, grad_v_own, grad_dist_sum
 
 
 @jit(do_not_specialize=["high_heads"])
 def _plap_bwd_dq_kernel(
-    Q, K, V, SqNorms, KeyKeep, Documents, GradOut, Lse, Delta, OwnDot, Out, OwnWeight, GradQ, GradVOwn, ExactBlocks,
+    Q, K, V, SqNorms, KeyKeep, Documents, GradOut, Lse, Delta, OwnDot, Out, OwnWeight, GradQ, GradVOwn, QueryBlocks,
     head_start, run_heads, num_heads, num_queries, num_keys, scale_log2, exponent_low, exponent_high,
     high_heads, eps,
     HEAD_DIM: constexpr, VALUE_DIM: constexpr, BLOCK_D: constexpr, BLOCK_DV: constexpr, BLOCK_M: constexpr,
     BLOCK_N: constexpr, POWER_LOW: constexpr, POWER_HIGH: constexpr, IS_CAUSAL: constexpr, HAS_KEY_MASK: constexpr,
-    HAS_DOCUMENTS: constexpr, EULER: constexpr, EXACT: constexpr,
+    HAS_DOCUMENTS: constexpr, EULER: constexpr, EXACT: constexpr, FLAG_BLOCK: constexpr,
 ):  # fmt: skip
+    """A query block goes to the exact pass where the forward flagged a block of its own (FLAG_BLOCK queries) that
+    holds any of its queries, and to the first pass otherwise; each pass leaves the other's blocks at once."""
     pid_m, slab, run_head = _program_ids(num_queries, head_start, run_heads, num_heads, BLOCK_M, IS_CAUSAL)
-    exact_block = ExactBlocks + slab * tl.cdiv(num_queries, BLOCK_M) + pid_m
-    if EXACT:
-        if tl.load(exact_block) == 0:  # not flagged: leave before loading anything (the pass's grid is the first's)
-            return
+    QueryBlocks += slab * tl.cdiv(num_queries, FLAG_BLOCK)
+    if _forward_flagged(QueryBlocks, pid_m * BLOCK_M, num_queries, BLOCK_M, FLAG_BLOCK) != EXACT:
+        return
     use_high, exponent = _head_exponent(run_head, high_heads, exponent_low, exponent_high)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     K += slab * num_keys * HEAD_DIM
@@ -979,35 +993,31 @@ def _plap_bwd_dq_kernel(
     plain, masked = _key_loop_bounds(pid_m, num_queries, num_keys, span, BLOCK_M, BLOCK_N, IS_CAUSAL,
                                      HAS_KEY_MASK)  # fmt: skip
     num_plain, num_masked = plain[0], masked[0]
-    has_close = tl.zeros([BLOCK_M], tl.int32)
     for index in range(0, num_plain):
-        grad_q, grad_v_own, grad_dist_sum, close = _dq_tile(
+        grad_q, grad_v_own, grad_dist_sum = _dq_tile(
             grad_q, grad_v_own, grad_dist_sum, q, v_query, sq_query_eps, close_bounds, grad_out, lse, delta, own_dot,
             rows,
             _tile_start(index, plain, BLOCK_N), K, V, SqNorms, key_keep_row, docs, num_queries, num_keys, scale_log2,
             exponent, use_high, eps, HEAD_DIM, VALUE_DIM, BLOCK_D, BLOCK_DV, BLOCK_N, POWER_LOW, POWER_HIGH, False,
             IS_CAUSAL, HAS_KEY_MASK, HAS_DOCUMENTS, EULER, EXACT,
         )  # fmt: skip
-        has_close |= close
     for index in range(0, num_masked):
-        grad_q, grad_v_own, grad_dist_sum, close = _dq_tile(
+        grad_q, grad_v_own, grad_dist_sum = _dq_tile(
             grad_q, grad_v_own, grad_dist_sum, q, v_query, sq_query_eps, close_bounds, grad_out, lse, delta, own_dot,
             rows,
             _tile_start(index, masked, BLOCK_N), K, V, SqNorms, key_keep_row, docs, num_queries, num_keys, scale_log2,
             exponent, use_high, eps, HEAD_DIM, VALUE_DIM, BLOCK_D, BLOCK_DV, BLOCK_N, POWER_LOW, POWER_HIGH, True,
             IS_CAUSAL, HAS_KEY_MASK, HAS_DOCUMENTS, EULER, EXACT,
         )  # fmt: skip
-        has_close |= close
 
-    stored_rows = _pass_rows(exact_block, tl.max(has_close), num_queries, EXACT)
-    _store_rows(GradQ + slab * num_queries * HEAD_DIM, rows, stored_rows, grad_q * (scale_log2 * LN_2), HEAD_DIM,
+    _store_rows(GradQ + slab * num_queries * HEAD_DIM, rows, num_queries, grad_q * (scale_log2 * LN_2), HEAD_DIM,
                 BLOCK_D)  # fmt: skip
     # dv_x += 2 sum_y dL/dD2 (v_x - v_y), plus for euler the direct dU_x (1 - rowsum W_off).
     grad_v_own -= grad_dist_sum[:, None] * v_query.to(tl.float32)
     if EULER:
-        own_weight = tl.load(OwnWeight + slab * num_queries + rows, mask=rows < stored_rows, other=0.0)
+        own_weight = tl.load(OwnWeight + slab * num_queries + rows, mask=rows < num_queries, other=0.0)
         grad_v_own += own_weight[:, None] * grad_out.to(tl.float32)
-    _store_rows(GradVOwn + slab * num_queries * VALUE_DIM, rows, stored_rows, grad_v_own, VALUE_DIM, BLOCK_DV)
+    _store_rows(GradVOwn + slab * num_queries * VALUE_DIM, rows, num_queries, grad_v_own, VALUE_DIM, BLOCK_DV)
 
 
 class Launch(NamedTuple):
@@ -1063,8 +1073,9 @@ def _slab_blocks(kernel, config, num_queries, num_keys):
 
 
 def _launches(kernel, config, query, key, value, tensors, p, is_causal, has_key_mask, has_documents, euler, eps,
-              exact_only):  # fmt: skip
-    """The launches of ``kernel`` per group of heads, its first pass then its exact pass (or that alone)."""
+              exact_only, flag_block=None):  # fmt: skip
+    """The launches of ``kernel`` per group of heads, its first pass then its exact pass (or that alone); a backward
+    kernel's ``flag_block`` is the size of the forward's blocks (dq) or key tiles (dk/dv) that its flags cover."""
     batch, heads, num_queries, head_dim = query.shape
     num_keys, value_dim = key.shape[2], value.shape[-1]
     blocks = _slab_blocks(kernel, config, num_queries, num_keys)
@@ -1075,6 +1086,8 @@ def _launches(kernel, config, query, key, value, tensors, p, is_causal, has_key_
                     POWER_LOW=POWER_CLASSES.get(low, 0), POWER_HIGH=POWER_CLASSES.get(high, 0), IS_CAUSAL=is_causal,
                     HAS_KEY_MASK=has_key_mask, HAS_DOCUMENTS=has_documents, EULER=euler, num_warps=config.num_warps,
                     num_stages=config.num_stages)  # fmt: skip
+        if flag_block is not None:
+            meta["FLAG_BLOCK"] = flag_block
         sizes = (first, end - first, heads, num_queries, num_keys, LOG2_E / math.sqrt(head_dim), (low - 2) / 2,
                  (high - 2) / 2, high_heads, eps)  # fmt: skip
         grid, args = (blocks * batch * (end - first),), (*tensors, *sizes)
@@ -1102,20 +1115,19 @@ def forward_launches(query, key, value, sq_norms, key_keep, documents, out, lse,
     """The forward launches of contiguous inputs, the first pass then the exact one (``_plap_fwd_kernel``), or the
     exact one alone (``exact_only``, every flag set); ``key_keep`` is the (B, Nk) int8 padding mask or None,
     ``documents`` the ``document_table`` of packed rows or None, ``sq_norms`` the (B, H, Nk) float32 squared norms of
-    the values, ``exact_blocks`` an int32 tensor of ``exact_block_counts(...)[0]`` elements."""
+    the values, ``exact_blocks`` two int32 tensors of ``exact_block_counts(...)`` elements, the second zero (all set
+    with ``exact_only``)."""
     tensors = (query, key, value, sq_norms, *_masks(sq_norms, key_keep, documents), out, lse, own_weight,
-               exact_blocks)  # fmt: skip
+               *exact_blocks)  # fmt: skip
     flags = (p, is_causal, key_keep is not None, documents is not None, euler, eps, exact_only)
     return _launches(_plap_fwd_kernel, config.fwd, query, key, value, tensors, *flags)
 
 
 def exact_block_counts(query, key, config):
-    """The blocks of the forward's, dk/dv's and dq's grids over every (batch, head): one flag each between a kernel's
-    two passes."""
+    """The forward's flags over every (batch, head): one per query block of its grid, which its own passes and dq's
+    follow, and one per key tile of its loops, which dk/dv's follow."""
     slabs = query.shape[0] * query.shape[1]
-    return tuple(slabs * _slab_blocks(kernel, kernel_config, query.shape[2], key.shape[2]) for kernel, kernel_config in
-                 ((_plap_fwd_kernel, config.fwd), (_plap_bwd_dkdv_kernel, config.dkdv), (_plap_bwd_dq_kernel,
-                                                                                         config.dq)))  # fmt: skip
+    return slabs * _ceil_div(query.shape[2], config.fwd.block_m), slabs * _ceil_div(key.shape[2], config.fwd.block_n)
 
 
 def backward_launches(
@@ -1125,14 +1137,14 @@ def backward_launches(
     """The dq launches, then the dk/dv launches, each kernel's first pass then its exact one (or that alone, as in
     ``forward_launches``). dq writes the row statistics ``delta`` and (euler) ``own_dot``, (B, H, Nq) float32, and
     each query's own-value part of dv to ``grad_v_own``, (B, H, Nq, dv) float32, which the dk/dv kernel adds to the
-    key side as it stores ``grad_v``; ``exact_blocks`` are two int32 tensors of ``exact_block_counts(...)[1:]``
-    flags."""
+    key side as it stores ``grad_v``; ``exact_blocks`` are the forward's flags (``forward_launches``)."""
     inputs = (query, key, value, sq_norms, *_masks(sq_norms, key_keep, documents), grad_out, lse, delta, own_dot)
     flags = (p, is_causal, key_keep is not None, documents is not None, euler, eps, exact_only)
-    dkdv_blocks, dq_blocks = exact_blocks
-    dq = (_plap_bwd_dq_kernel, config.dq, query, key, value, (*inputs, out, own_weight, grad_q, grad_v_own, dq_blocks))
-    dkdv = (_plap_bwd_dkdv_kernel, config.dkdv, query, key, value, (*inputs, grad_v_own, grad_k, grad_v, dkdv_blocks))
-    return _launches(*dq, *flags) + _launches(*dkdv, *flags)
+    query_blocks, key_tiles = exact_blocks
+    dq = (_plap_bwd_dq_kernel, config.dq, query, key, value, (*inputs, out, own_weight, grad_q, grad_v_own,
+                                                              query_blocks))  # fmt: skip
+    dkdv = (_plap_bwd_dkdv_kernel, config.dkdv, query, key, value, (*inputs, grad_v_own, grad_k, grad_v, key_tiles))
+    return _launches(*dq, *flags, config.fwd.block_m) + _launches(*dkdv, *flags, config.fwd.block_n)
 
 
 def _run(launch, query, value):
@@ -1174,9 +1186,14 @@ def exact_pass_alone(query, key):
     return query.shape[0] * query.shape[1] * query.shape[2] * key.shape[2] <= ONE_PASS_PAIRS
 
 
-def _exact_flags(count, alone, device):
-    """A kernel's int32 flags between its passes: written by its first pass, or all set for its exact pass alone."""
-    return (torch.ones if alone else torch.empty)(count, device=device, dtype=torch.int32)
+def _exact_flags(query, key, config, alone):
+    """The forward's int32 flags (``exact_block_counts``): its query blocks', written by its first pass, and its key
+    tiles', zero until its exact pass; all set where every kernel runs its exact pass alone."""
+    query_blocks, key_tiles = exact_block_counts(query, key, config)
+    flags = dict(device=query.device, dtype=torch.int32)
+    if alone:
+        return torch.ones(query_blocks, **flags), torch.ones(key_tiles, **flags)
+    return torch.empty(query_blocks, **flags), torch.zeros(key_tiles, **flags)
 
 
 def _flat(config):
@@ -1203,20 +1220,22 @@ def _fused_forward(
     eps: float,
     euler: bool,
     config: list[int],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The output, then what the backward needs: the logsumexp, euler's own weights, the values' squared norms and the
+    exact passes' flags (``_exact_flags``)."""
     batch, heads, num_queries, _ = query.shape
     out = query.new_empty(batch, heads, num_queries, value.shape[-1])  # (B, H, Nq, dv)
     lse = torch.empty(batch, heads, num_queries, device=query.device, dtype=torch.float32)
     own_weight = torch.empty_like(lse) if euler else lse.new_empty(0)  # written by euler only
     sq_norms = squared_norms(value)  # (B, H, Nk)
     config, alone = _unflat(config), exact_pass_alone(query, key)
-    exact_blocks = _exact_flags(exact_block_counts(query, key, config)[0], alone, query.device)
+    exact_blocks = _exact_flags(query, key, config, alone)
     for launch in forward_launches(
         query, key, value, sq_norms, key_keep, documents, out, lse, own_weight if euler else lse, exact_blocks,
         tuple(p), is_causal, eps, euler, config, alone,
     ):  # fmt: skip
         _run(launch, query, value)
-    return out, lse, own_weight, sq_norms
+    return out, lse, own_weight, sq_norms, *exact_blocks
 
 
 _forward_op = torch.library.custom_op(op_name(__name__, "forward"), mutates_args=())(_fused_forward)
@@ -1226,8 +1245,9 @@ _forward_op = torch.library.custom_op(op_name(__name__, "forward"), mutates_args
 def _(query, key, value, key_keep, documents, p, is_causal, eps, euler, config):
     batch, heads, num_queries, _ = query.shape
     lse = query.new_empty(batch, heads, num_queries, dtype=torch.float32)
+    flags = (lse.new_empty(count, dtype=torch.int32) for count in exact_block_counts(query, key, _unflat(config)))
     return (query.new_empty(batch, heads, num_queries, value.shape[-1]), lse,
-            lse.new_empty(lse.shape if euler else (0,)), lse.new_empty(value.shape[:3]))  # fmt: skip
+            lse.new_empty(lse.shape if euler else (0,)), lse.new_empty(value.shape[:3]), *flags)  # fmt: skip
 
 
 def _fused_backward(
@@ -1241,6 +1261,8 @@ def _fused_backward(
     lse: torch.Tensor,
     own_weight: torch.Tensor,
     sq_norms: torch.Tensor,
+    query_blocks: torch.Tensor,
+    key_tiles: torch.Tensor,
     p: list[float],
     is_causal: bool,
     eps: float,
@@ -1253,11 +1275,10 @@ def _fused_backward(
     grad_q, grad_k, grad_v = torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
     grad_v_own = torch.empty(out.shape, device=query.device, dtype=torch.float32)
     config, alone = _unflat(config), exact_pass_alone(query, key)
-    exact_blocks = [_exact_flags(count, alone, query.device) for count in exact_block_counts(query, key, config)[1:]]
     for launch in backward_launches(
         query, key, value, sq_norms, key_keep, documents, grad_out, out, lse, delta, own_dot,
-        own_weight if euler else lse, grad_q, grad_k, grad_v, grad_v_own, exact_blocks, tuple(p), is_causal, eps,
-        euler, config, alone,
+        own_weight if euler else lse, grad_q, grad_k, grad_v, grad_v_own, (query_blocks, key_tiles), tuple(p),
+        is_causal, eps, euler, config, alone,
     ):  # fmt: skip
         _run(launch, query, value)
     return grad_q, grad_k, grad_v
@@ -1267,8 +1288,8 @@ _backward_op = torch.library.custom_op(op_name(__name__, "backward"), mutates_ar
 
 
 @_backward_op.register_fake
-def _(grad_out, query, key, value, key_keep, documents, out, lse, own_weight, sq_norms, p, is_causal, eps, euler,
-      config):  # fmt: skip
+def _(grad_out, query, key, value, key_keep, documents, out, lse, own_weight, sq_norms, query_blocks, key_tiles, p,
+      is_causal, eps, euler, config):  # fmt: skip
     return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
 
 
@@ -1301,6 +1322,6 @@ def plap_attention_triton(
         key_keep = key_keep.to(torch.int8).contiguous()  # (B, Nk)
     documents = None if document_ids is None else document_table(document_ids)
     query, key, value = (tensor.contiguous() for tensor in (query, key, value))  # offsets follow from shapes
-    out, _, _, _ = _fused(query, key, value, key_keep, documents, [float(v) for v in p], is_causal, float(eps),
+    out, *_ = _fused(query, key, value, key_keep, documents, [float(v) for v in p], is_causal, float(eps),
                                formulation == "euler", _flat(config))  # fmt: skip
     return out

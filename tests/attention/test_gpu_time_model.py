@@ -125,8 +125,11 @@ def test_auxiliary_bytes_count_the_host_tensor_operations(model, two_passes):
     elements = batch * heads * tokens * head_dim
     rows = elements // head_dim
     # The forward's squared norms: the norms from one read of the bf16 values, one float32 per row written, then
-    # squared in place (read and written).
-    assert forward == elements * 2 + rows * 4 + rows * 4 * 2
+    # squared in place (read and written); its key tiles' int32 flags zeroed for its exact pass to set.
+    inputs = torch.empty(batch, heads, tokens, head_dim, device="meta")
+    config = triton_module.launch_config(torch.bfloat16, head_dim, head_dim, (9, 0))
+    key_tiles = triton_module.exact_block_counts(inputs, inputs, config)[1]
+    assert forward == elements * 2 + rows * 4 + rows * 4 * 2 + key_tiles * 4
     # None in the backward: the dQ kernel computes D = rowsum(dU * U), and dK/dV's stores dV in the values' dtype.
     assert backward == 0
 
@@ -148,14 +151,15 @@ def test_live_bytes_follow_storages_until_their_last_tensor_goes(model):
 def test_peak_bytes_are_what_the_backend_holds(model):
     """The forward's output and row statistics (lse, squared norms), then the backward's D, dq, dk, dv and dv's query
     side in float32 (which the dK/dV kernel adds as it stores dv), all live at the end: 12 bytes per bf16 element and
-    12 per row, and an int32 flag per block of each backward kernel."""
+    12 per row, and the forward's int32 flags, one per query block and one per key tile, which the backward's passes
+    follow."""
     batch, heads, tokens, head_dim = 2, 4, 128, 64
     elements = batch * heads * tokens * head_dim
     rows = elements // head_dim
     peak = model.peak_bytes(triton_module, batch, heads, tokens, head_dim, [1.5, 1.5, 2.5, 2.5])
     inputs = torch.empty(batch, heads, tokens, head_dim, device="meta")
     config = triton_module.launch_config(torch.bfloat16, head_dim, head_dim, (9, 0))
-    flags = sum(triton_module.exact_block_counts(inputs, inputs, config)[1:])
+    flags = sum(triton_module.exact_block_counts(inputs, inputs, config))
     assert peak == elements * (2 + 2 + 2 + 2 + 4) + rows * (4 + 4 + 4) + flags * 4
 
 

@@ -9,7 +9,7 @@ p from 1 to 3 in both formulations. Relative errors ||ours - ref|| / ||ref|| as 
 
 import pytest
 import torch
-from device import DEVICE, TRITON_HALF
+from device import DEVICE, ON_CUDA, TRITON_HALF
 from reference import reference_plap_attention
 from test_backends import TORCH_BACKENDS, TRITON_MISSING, make_inputs, make_mask, relative_error, triton_small_blocks
 from tiny import LLAMA_SHAPE, lm
@@ -171,17 +171,21 @@ def test_backends_agree_on_duplicates(backend):
 @pytest.mark.skipif(TRITON_MISSING, reason="triton is not installed (pip install triton)")
 @pytest.mark.parametrize("is_causal", [True, False])
 def test_triton_redoes_exactly_the_blocks_with_close_pairs(monkeypatch, two_passes, is_causal):
-    """Each kernel's first pass flags the blocks with a close pair in a tile they visit; only those run its exact
-    pass, and outputs and gradients match the reference either way. Copies of position 3's value at 21 and 39, blocks
-    of 16: causal, the query blocks of 21 and 39 (1 and 2) pair with key 3, and the key blocks of 3 and 21 (0 and 1)
-    with a later copy; without the mask every block has a close pair."""
-    flags = {}
+    """The forward's first pass flags the query blocks with a close pair in a tile they visit, its exact pass (over
+    those blocks) the key tiles in which it met one; dQ's and dK/dV's passes split their blocks by these flags, and
+    outputs and gradients match the reference either way. Copies of position 3's value at 21 and 39, blocks of 16:
+    causal, the query blocks of 21 and 39 (1 and 2) pair with key 3, and the key blocks of 3 and 21 (0 and 1) with a
+    later copy; without the mask every block has a close pair."""
+    flags, passes = {}, []
     original = triton_module._run
 
     def run(launch, query, value):
         original(launch, query, value)
-        if not launch.meta.get("EXACT", True):  # a first pass: its flags, the last tensor argument
-            flags[launch.kernel.__name__] = [a for a in launch.args if isinstance(a, torch.Tensor)][-1].tolist()
+        passes.append((launch.kernel.__name__, launch.meta["EXACT"]))
+        if launch.kernel.__name__ == "_plap_fwd_kernel":  # its flags, the last two tensor arguments
+            query_blocks, key_tiles = [a for a in launch.args if isinstance(a, torch.Tensor)][-2:]
+            flags["key tiles" if launch.meta["EXACT"] else "query blocks"] = (key_tiles if launch.meta["EXACT"]
+                                                                               else query_blocks).tolist()
 
     monkeypatch.setattr(triton_module, "_run", run)
     shape, blocks = (1, 2, 40, 40, 16, 16), 3
@@ -191,14 +195,47 @@ def test_triton_redoes_exactly_the_blocks_with_close_pairs(monkeypatch, two_pass
     for copies, query_blocks, key_blocks in (((), (), ()), ((21, 39), (1, 2), (0, 1))):
         with torch.no_grad():
             inputs[2][:, :, list(copies)] = inputs[2][:, :, 3:4]
+        passes.clear()
         found = errors(triton_small_blocks, inputs, p=(1.5, 2.5), is_causal=is_causal)
         assert max(found.values()) <= 1e-5, found
+        assert passes == [(f"_plap_{kernel}_kernel", exact) for kernel in ("fwd", "bwd_dq", "bwd_dkdv")
+                          for exact in (False, True)]  # fmt: skip
         if copies and not is_causal:
             query_blocks = key_blocks = everything
-        expected = {"_plap_fwd_kernel": query_blocks, "_plap_bwd_dkdv_kernel": key_blocks,
-                    "_plap_bwd_dq_kernel": query_blocks}  # fmt: skip
-        assert flags == {kernel: [int(block in flagged) for _ in range(batch * heads) for block in everything]
-                         for kernel, flagged in expected.items()}  # fmt: skip
+        expected = {"query blocks": query_blocks, "key tiles": key_blocks}
+        assert flags == {name: [int(block in flagged) for _ in range(batch * heads) for block in everything]
+                         for name, flagged in expected.items()}  # fmt: skip
+
+
+@pytest.mark.skipif(TRITON_MISSING, reason="triton is not installed (pip install triton)")
+def test_triton_backward_passes_split_blocks_by_the_forward_flags():
+    """dQ's and dK/dV's first passes leave every block the forward flagged and test none of their own; their exact
+    passes leave the others. Gradients start as NaN: with every flag set the first passes write none of them, with
+    none the exact passes write none; the other pass writes them all, finite."""
+    shape, p = (1, 2, 40, 40, 16, 16), [1.5, 2.5]
+    query, key, value = (t.detach() for t in make_inputs(*shape, torch.float32)[0])
+    config = triton_module.INTERPRETER_CONFIG
+    if ON_CUDA:
+        config = triton_module.launch_config(query.dtype, 16, 16, torch.cuda.get_device_capability(DEVICE))
+    config = config.with_blocks(16, 16)
+    out, lse, own_weight, sq_norms, *_ = triton_module._fused_forward(query, key, value, None, None, p, True, 1e-6,
+                                                                      False, triton_module._flat(config))  # fmt: skip
+    grad_out = torch.randn_like(out)
+    for flagged in (True, False):
+        for exact in (False, True):
+            flags = [torch.full((count,), int(flagged), dtype=torch.int32, device=DEVICE)
+                     for count in triton_module.exact_block_counts(query, key, config)]  # fmt: skip
+            grads = [torch.full_like(t, float("nan")) for t in (query, key, value)]
+            delta = torch.empty_like(lse)
+            grad_v_own = torch.full(out.shape, float("nan"), device=DEVICE)
+            for launch in triton_module.backward_launches(query, key, value, sq_norms, None, None, grad_out, out, lse,
+                                                          delta, delta, lse, *grads, grad_v_own, flags, p, True,
+                                                          1e-6, False, config):  # fmt: skip
+                if launch.meta["EXACT"] == exact:
+                    triton_module._run(launch, query, value)
+            written = flagged == exact
+            for grad in grads:
+                assert torch.isfinite(grad).all() if written else torch.isnan(grad).all(), (flagged, exact)
 
 
 @pytest.mark.skipif(TRITON_MISSING, reason="triton is not installed (pip install triton)")

@@ -217,8 +217,9 @@ class OpNames(TorchDispatchMode):
 @pytest.mark.parametrize("pairs_over_limit", [0, 1])
 def test_a_call_runs_the_kernels_and_allocations_only(monkeypatch, formulation, pairs_over_limit):
     """The host work of a bfloat16 forward + backward, launches recorded instead of run: the values' squared norms
-    (a norm and its square), each kernel's two passes (forward, dQ, dK/dV) or, up to ONE_PASS_PAIRS, its exact pass
-    alone after its flags are set, and no other tensor operation but allocations and views: no cast, row statistic or
+    (a norm and its square), each kernel's two passes (forward, dQ, dK/dV) after the forward's key tiles' flags are
+    zeroed or, up to ONE_PASS_PAIRS, its exact pass alone after every flag is set, and no other tensor operation but
+    allocations and views: no cast, row statistic or
     zero gradient, each of which is a kernel and its host time on a GPU."""
     launches = []
     monkeypatch.setattr(triton_module, "_run", lambda launch, query, value: launches.append(
@@ -233,7 +234,7 @@ def test_a_call_runs_the_kernels_and_allocations_only(monkeypatch, formulation, 
     passes = (False, True) if pairs_over_limit else (True,)
     assert launches == [(f"_plap_{kernel}_kernel", exact) for kernel in ("fwd", "bwd_dq", "bwd_dkdv")
                         for exact in passes]  # fmt: skip
-    flag_fills = [] if pairs_over_limit else ["ones"] * 3
+    flag_fills = ["zeros"] if pairs_over_limit else ["ones"] * 2  # the forward's key tiles; every flag set
     computed = [name for name in ops.names if name not in ALLOCATIONS]
     assert computed == ["linalg_vector_norm", "pow_"] + flag_fills, ops.names
     assert [g.dtype for g in grads] == [torch.bfloat16] * 3
@@ -245,12 +246,13 @@ def test_the_paper_mix_is_one_launch_per_kernel():
     query = torch.zeros(batch, heads, length, head_dim)
     stats, sq_norms = torch.zeros(batch, heads, length), torch.zeros(batch, heads, length)
     flags = (p, True, 1e-6, False, triton_module.INTERPRETER_CONFIG)
-    counts = triton_module.exact_block_counts(query, query, triton_module.INTERPRETER_CONFIG)
+    exact_blocks = [torch.zeros(n) for n in triton_module.exact_block_counts(query, query,
+                                                                             triton_module.INTERPRETER_CONFIG)]
     forward = triton_module.forward_launches(query, query, query, sq_norms, None, None, query, stats, stats,
-                                             torch.zeros(counts[0]), *flags)  # fmt: skip
+                                             exact_blocks, *flags)  # fmt: skip
     backward = triton_module.backward_launches(query, query, query, sq_norms, None, None, query, query, stats, stats,
-                                               stats, stats, query, query, query, query,
-                                               [torch.zeros(n) for n in counts[1:]], *flags)  # fmt: skip
+                                               stats, stats, query, query, query, query, exact_blocks,
+                                               *flags)  # fmt: skip
     assert [(launch.kernel.__name__, launch.meta["EXACT"]) for launch in forward + backward] == [
         (f"_plap_{kernel}_kernel", exact) for kernel in ("fwd", "bwd_dq", "bwd_dkdv") for exact in (False, True)
     ]  # fmt: skip
