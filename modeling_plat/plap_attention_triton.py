@@ -446,12 +446,12 @@ def _per_key(vector, QUERY_AXIS: constexpr):
 
 
 @jit
-def _pair_dot(query_side, key_side, QUERY_AXIS: constexpr):
-    """The tile of dot products of query-side rows (M, d) with key-side rows (N, d)."""
+def _pair_dot(query_side, key_side, QUERY_AXIS: constexpr, acc=None):
+    """The tile of dot products of query-side rows (M, d) with key-side rows (N, d), added to ``acc`` if given."""
     if QUERY_AXIS == 0:
-        tile = tl.dot(query_side, tl.trans(key_side), input_precision=FLOAT32_DOT)
+        tile = tl.dot(query_side, tl.trans(key_side), acc, input_precision=FLOAT32_DOT)
     else:
-        tile = tl.dot(key_side, tl.trans(query_side), input_precision=FLOAT32_DOT)
+        tile = tl.dot(key_side, tl.trans(query_side), acc, input_precision=FLOAT32_DOT)
     return tile
 
 
@@ -520,10 +520,12 @@ def _close_bounds(sq_fixed_eps, eps, QUERY_AXIS: constexpr):
 @jit
 def _distances(v_query, sq_query, close_bounds, values, sq_keys, V, rows, cols, num_keys, offset, eps,
                VALUE_DIM: constexpr, MASKED: constexpr, QUERY_AXIS: constexpr, EXACT: constexpr):  # fmt: skip
-    """D2 + eps from the squared norms (eps in the fixed block's, added once per program, not in the loop's), the
-    self-pair tile (None-free: all false where the loop split excludes self pairs, MASKED false), and which rows of
-    the tile (the fixed block's) have close pairs (int32 per row: a loop accumulates them without reducing across
-    warps in every tile).
+    """D2 + eps from the squared norms (eps in the fixed block's, added once per program, not in the loop's) and the
+    values, the self-pair tile (None-free: all false where the loop split excludes self pairs, MASKED false), and
+    which rows of the tile (the fixed block's) have close pairs (int32 per row: a loop accumulates them without
+    reducing across warps in every tile). Where queries are the fixed block (forward, dq) their values come as -2 v_x
+    (``_times_minus_two``), so that the matmul accumulates -2 v_x.v_y onto the norms; dk/dv's fixed values also form
+    G = dU V^T, so that it scales the products instead (docs/performance.md).
 
     The expansion's rounding, a few u (|v_x|^2 + |v_y|^2), would decide P where values nearly coincide: a tile with
     close pairs (CLOSE_PAIR) recomputes all its pairs by direct differences, one value coordinate at a time from
@@ -532,8 +534,11 @@ def _distances(v_query, sq_query, close_bounds, values, sq_keys, V, rows, cols, 
     (the diagonal band, the partial ones) neither makes the tile recompute. Elsewhere the expansion is positive.
     Without EXACT the tile keeps the expansion and only reports its close pairs (the forward's first pass reads them,
     the backward's, whose blocks the forward has cleared, leave them unused)."""
-    cross = _pair_dot(v_query, values, QUERY_AXIS)
-    dist_eps = _per_query(sq_query, QUERY_AXIS) + _per_key(sq_keys, QUERY_AXIS) - 2 * cross
+    sq_sums = _per_query(sq_query, QUERY_AXIS) + _per_key(sq_keys, QUERY_AXIS)
+    if QUERY_AXIS == 0:
+        dist_eps = _pair_dot(v_query, values, QUERY_AXIS, sq_sums)
+    else:
+        dist_eps = sq_sums - 2 * _pair_dot(v_query, values, QUERY_AXIS)
     sq_query_eps = sq_query
     if QUERY_AXIS == 1:
         sq_query_eps += eps
@@ -553,11 +558,18 @@ def _distances(v_query, sq_query, close_bounds, values, sq_keys, V, rows, cols, 
             key_side = tl.load(V + cols * VALUE_DIM + dim, mask=key_in, other=0.0).to(tl.float32)
             diff = _per_query(query_side, QUERY_AXIS) - _per_key(key_side, QUERY_AXIS)
             dist_eps += diff * diff
-        bound = COINCIDING * (_per_query(sq_query, QUERY_AXIS) + _per_key(sq_keys, QUERY_AXIS) - eps)
+        bound = COINCIDING * (sq_sums - eps)
         dist_eps = tl.where(dist_eps <= bound, 0.0, dist_eps) + eps
     if MASKED:
         dist_eps = tl.where(is_self, eps, dist_eps)
     return dist_eps, is_self & MASKED, close_rows
+
+
+@jit
+def _times_minus_two(values):
+    """-2 values, exact in any float type: the query values that ``_distances`` takes where queries are the fixed
+    block."""
+    return (values.to(tl.float32) * -2.0).to(values.dtype)
 
 
 @jit
@@ -663,7 +675,7 @@ def _pass_rows(exact_block, has_close, num_rows, EXACT: constexpr):
 
 
 @jit
-def _fwd_tile(q, v_query, sq_query_eps, close_bounds, row_max, row_sum, off_sum, acc, K, V, SqNorms, KeyTiles,
+def _fwd_tile(q, v_query_m2, sq_query_eps, close_bounds, row_max, row_sum, off_sum, acc, K, V, SqNorms, KeyTiles,
               key_keep_row, docs, rows, start, num_queries, num_keys, scale_log2, exponent, use_high, eps,
               HEAD_DIM: constexpr, VALUE_DIM: constexpr, BLOCK_D: constexpr, BLOCK_DV: constexpr, BLOCK_N: constexpr,
               POWER_LOW: constexpr, POWER_HIGH: constexpr, MASKED: constexpr, IS_CAUSAL: constexpr,
@@ -681,7 +693,7 @@ def _fwd_tile(q, v_query, sq_query_eps, close_bounds, row_max, row_sum, off_sum,
     rescale = tl.exp2(row_max - new_max)
     expo = tl.exp2(scores * scale_log2 - new_max[:, None])
     row_sum = row_sum * rescale + tl.sum(expo, 1)
-    dist_eps, is_self, has_close = _distances(v_query, sq_query_eps, close_bounds, values, sq_keys, V, rows, cols,
+    dist_eps, is_self, has_close = _distances(v_query_m2, sq_query_eps, close_bounds, values, sq_keys, V, rows, cols,
                                               num_keys, num_keys - num_queries, eps, VALUE_DIM, MASKED, 0,
                                               EXACT)  # fmt: skip
     if EXACT:
@@ -728,6 +740,7 @@ def _plap_fwd_kernel(
     key_keep_row = KeyKeep + (slab // num_heads) * num_keys
     q = _load_rows(Q + slab * num_queries * HEAD_DIM, rows, num_queries, HEAD_DIM, BLOCK_D)
     v_query = _load_rows(V, rows + offset, num_keys, VALUE_DIM, BLOCK_DV)
+    v_query_m2 = _times_minus_two(v_query)
     sq_query_eps = _load_vector(SqNorms + offset, rows, num_queries, 0.0) + eps
     close_bounds = _close_bounds(sq_query_eps, eps, 0)
     docs, span = _fixed_documents(Documents, slab, num_heads, rows, num_keys, HAS_DOCUMENTS)
@@ -742,7 +755,7 @@ def _plap_fwd_kernel(
     has_close = tl.zeros([BLOCK_M], tl.int32)  # per query: whether its tiles had close pairs
     for index in range(0, num_plain):
         row_max, row_sum, off_sum, acc, close = _fwd_tile(
-            q, v_query, sq_query_eps, close_bounds, row_max, row_sum, off_sum, acc, K, V, SqNorms, KeyTiles,
+            q, v_query_m2, sq_query_eps, close_bounds, row_max, row_sum, off_sum, acc, K, V, SqNorms, KeyTiles,
             key_keep_row, docs, rows,
             _tile_start(index, plain, BLOCK_N), num_queries, num_keys, scale_log2, exponent, use_high, eps,
             HEAD_DIM, VALUE_DIM, BLOCK_D, BLOCK_DV, BLOCK_N, POWER_LOW, POWER_HIGH, False, IS_CAUSAL, HAS_KEY_MASK,
@@ -751,7 +764,7 @@ def _plap_fwd_kernel(
         has_close |= close
     for index in range(0, num_masked):
         row_max, row_sum, off_sum, acc, close = _fwd_tile(
-            q, v_query, sq_query_eps, close_bounds, row_max, row_sum, off_sum, acc, K, V, SqNorms, KeyTiles,
+            q, v_query_m2, sq_query_eps, close_bounds, row_max, row_sum, off_sum, acc, K, V, SqNorms, KeyTiles,
             key_keep_row, docs, rows,
             _tile_start(index, masked, BLOCK_N), num_queries, num_keys, scale_log2, exponent, use_high, eps,
             HEAD_DIM, VALUE_DIM, BLOCK_D, BLOCK_DV, BLOCK_N, POWER_LOW, POWER_HIGH, True, IS_CAUSAL, HAS_KEY_MASK,
@@ -781,10 +794,11 @@ def _tile_grads(
     POWER_LOW: constexpr, POWER_HIGH: constexpr, MASKED: constexpr, IS_CAUSAL: constexpr, HAS_KEY_MASK: constexpr,
     HAS_DOCUMENTS: constexpr, EULER: constexpr, QUERY_AXIS: constexpr, EXACT: constexpr,
 ):  # fmt: skip
-    """Recompute one tile: W (W_off for euler), dS and -2 dL/dD2 (0 where D2 + eps is eps: self and coinciding
-    pairs, whose exact gradient through D2 is 0 and whose computed one would be rounding), and whether it has close
-    pairs (without EXACT their distances stay expanded: the caller discards such tiles). The sign joins the constant
-    2 (p - 2) / 2, so that the distance matmuls take it without a negation per score."""
+    """Recompute one tile (``v_query`` as ``_distances`` takes it): W (W_off for euler), dS and -2 dL/dD2 (0 where
+    D2 + eps is eps: self and coinciding pairs, whose exact gradient through D2 is 0 and whose computed one would be
+    rounding), and whether it has close pairs (without EXACT their distances stay expanded: the caller discards such
+    tiles). The sign joins the constant 2 (p - 2) / 2, so that the distance matmuls take it without a negation per
+    score."""
     scores = _masked_scores(_pair_dot(q, k, QUERY_AXIS) * scale_log2, rows, cols, num_queries, num_keys,
                             key_keep_row, docs, MASKED, IS_CAUSAL, HAS_KEY_MASK, HAS_DOCUMENTS,
                             QUERY_AXIS)  # fmt: skip
@@ -935,9 +949,9 @@ def _plap_bwd_dkdv_kernel(
 
 
 @jit
-def _dq_tile(grad_q, grad_v_own, grad_dist_sum, q, v_query, sq_query_eps, close_bounds, grad_out, lse, delta, own_dot,
-             rows, start, K, V, SqNorms, key_keep_row, docs, num_queries, num_keys, scale_log2, exponent, use_high, eps,
-             HEAD_DIM: constexpr, VALUE_DIM: constexpr, BLOCK_D: constexpr, BLOCK_DV: constexpr,
+def _dq_tile(grad_q, grad_v_own, grad_dist_sum, q, v_query_m2, sq_query_eps, close_bounds, grad_out, lse, delta,
+             own_dot, rows, start, K, V, SqNorms, key_keep_row, docs, num_queries, num_keys, scale_log2, exponent,
+             use_high, eps, HEAD_DIM: constexpr, VALUE_DIM: constexpr, BLOCK_D: constexpr, BLOCK_DV: constexpr,
              BLOCK_N: constexpr, POWER_LOW: constexpr, POWER_HIGH: constexpr, MASKED: constexpr, IS_CAUSAL: constexpr,
              HAS_KEY_MASK: constexpr, HAS_DOCUMENTS: constexpr, EULER: constexpr, EXACT: constexpr):  # fmt: skip
     cols = start + tl.arange(0, BLOCK_N)
@@ -945,7 +959,7 @@ def _dq_tile(grad_q, grad_v_own, grad_dist_sum, q, v_query, sq_query_eps, close_
     values = _load_rows(V, cols, num_keys, VALUE_DIM, BLOCK_DV, MASKED)
     sq_keys = _load_vector(SqNorms, cols, num_keys, 0.0, MASKED)
     weights, grad_scores, grad_dist, _ = _tile_grads(
-        q, k, v_query, values, sq_query_eps, close_bounds, sq_keys, grad_out, lse, delta, own_dot, V, rows, cols,
+        q, k, v_query_m2, values, sq_query_eps, close_bounds, sq_keys, grad_out, lse, delta, own_dot, V, rows, cols,
         key_keep_row, docs, num_queries, num_keys, scale_log2, exponent, use_high, eps, VALUE_DIM, POWER_LOW,
         POWER_HIGH, MASKED, IS_CAUSAL, HAS_KEY_MASK, HAS_DOCUMENTS, EULER, 0, EXACT,
     )  # fmt: skip
@@ -981,6 +995,7 @@ def _plap_bwd_dq_kernel(
         slab, rows, V, SqNorms, GradOut, Lse, Delta, OwnDot, num_queries, num_keys, eps, VALUE_DIM, BLOCK_DV, False,
         True,
     )  # fmt: skip
+    v_query_m2 = _times_minus_two(v_query)
     sq_query_eps = sq_query + eps
     close_bounds = _close_bounds(sq_query_eps, eps, 0)
     delta, own_dot = _row_stats(Out, Delta, OwnDot, slab, rows, grad_out, v_query, num_queries, VALUE_DIM, BLOCK_DV,
@@ -995,7 +1010,8 @@ def _plap_bwd_dq_kernel(
     num_plain, num_masked = plain[0], masked[0]
     for index in range(0, num_plain):
         grad_q, grad_v_own, grad_dist_sum = _dq_tile(
-            grad_q, grad_v_own, grad_dist_sum, q, v_query, sq_query_eps, close_bounds, grad_out, lse, delta, own_dot,
+            grad_q, grad_v_own, grad_dist_sum, q, v_query_m2, sq_query_eps, close_bounds, grad_out, lse, delta,
+            own_dot,
             rows,
             _tile_start(index, plain, BLOCK_N), K, V, SqNorms, key_keep_row, docs, num_queries, num_keys, scale_log2,
             exponent, use_high, eps, HEAD_DIM, VALUE_DIM, BLOCK_D, BLOCK_DV, BLOCK_N, POWER_LOW, POWER_HIGH, False,
@@ -1003,7 +1019,8 @@ def _plap_bwd_dq_kernel(
         )  # fmt: skip
     for index in range(0, num_masked):
         grad_q, grad_v_own, grad_dist_sum = _dq_tile(
-            grad_q, grad_v_own, grad_dist_sum, q, v_query, sq_query_eps, close_bounds, grad_out, lse, delta, own_dot,
+            grad_q, grad_v_own, grad_dist_sum, q, v_query_m2, sq_query_eps, close_bounds, grad_out, lse, delta,
+            own_dot,
             rows,
             _tile_start(index, masked, BLOCK_N), K, V, SqNorms, key_keep_row, docs, num_queries, num_keys, scale_log2,
             exponent, use_high, eps, HEAD_DIM, VALUE_DIM, BLOCK_D, BLOCK_DV, BLOCK_N, POWER_LOW, POWER_HIGH, True,
