@@ -978,8 +978,9 @@ def _plap_bwd_dq_kernel(
     BLOCK_N: constexpr, POWER_LOW: constexpr, POWER_HIGH: constexpr, IS_CAUSAL: constexpr, HAS_KEY_MASK: constexpr,
     HAS_DOCUMENTS: constexpr, EULER: constexpr, EXACT: constexpr, FLAG_BLOCK: constexpr,
 ):  # fmt: skip
-    """A query block goes to the exact pass where the forward flagged a block of its own (FLAG_BLOCK queries) that
-    holds any of its queries, and to the first pass otherwise; each pass leaves the other's blocks at once."""
+    """A query block goes to the exact pass where the forward flagged one of its query blocks (FLAG_BLOCK queries)
+    that holds any of this block's queries, and to the first pass otherwise; each pass leaves the other's blocks at
+    once."""
     pid_m, slab, run_head = _program_ids(num_queries, head_start, run_heads, num_heads, BLOCK_M, IS_CAUSAL)
     QueryBlocks += slab * tl.cdiv(num_queries, FLAG_BLOCK)
     if _forward_flagged(QueryBlocks, pid_m * BLOCK_M, num_queries, BLOCK_M, FLAG_BLOCK) != EXACT:
