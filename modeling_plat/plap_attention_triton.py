@@ -34,10 +34,11 @@ tiles (the diagonal band, the last partial tile, every tile under key padding).
 P and every accumulation are float32. Matmuls of half-precision operands take them as they are (exact
 products). No matmul with a float32 operand runs in plain TF32, whose inputs keep 10 mantissa bits: for
 float32 inputs every matmul is tf32x3 (``FLOAT32_DOT``), v_x.v_y of D2 included; for half inputs the float32
-operand is the distance gradient Gd of Gd V and Gd^T V_q (``_exact_dot``: three bfloat16 parts against bfloat16
-values in the exact passes and two in the first passes, whose pairs are not close; two TF32 parts against float16).
-Gd grows like 1 / (D2 + eps) and its exact row and column sums cancel against those matmuls, so that a TF32 rounding
-of Gd (2^-11) would make dV of coinciding values mostly noise. Masks: causal (bottom-right aligned) and key padding
+operand is the distance gradient Gd of Gd V and Gd^T V_q (``_exact_dot``: against bfloat16 values, three bfloat16
+parts in the exact passes and Gd rounded to bfloat16 in the first passes, whose pairs are not close, each with the
+row sums of the same parts; two TF32 parts against float16). Gd grows like 1 / (D2 + eps) and its row and column
+sums cancel against those matmuls, so that a TF32 rounding of Gd (2^-11) against float32 sums would make dV of
+coinciding values mostly noise. Masks: causal (bottom-right aligned) and key padding
 (a boolean mask broadcastable to (B, 1, 1, Nk)); ``plap_attention`` routes other masks to the tiled backend. Packed rows
 (``document_ids``, Nq == Nk) are varlen: each fixed block's loop visits only the span of positions its
 documents cover, and a plain tile compares document ids only when its tokens are not all of one document
@@ -106,6 +107,9 @@ LN_2 = constexpr(math.log(2))
 FORMULATIONS = ("paper", "euler")
 # Row max start: finite, so that rows with no allowed key so far give exp(-inf - MIN) = 0, never NaN.
 MIN_SCORE = constexpr(-1.0e38)
+# Columns of the tile of ones against which the distance gradient's bfloat16 parts give their row sums (a matmul's
+# smallest width).
+SUM_COLUMNS = constexpr(16)
 # The reference's rules for close and coinciding pairs, as constants a compiled kernel can read.
 CLOSE_PAIR = constexpr(CLOSE_PAIR)
 COINCIDING = constexpr(COINCIDING)
@@ -119,6 +123,9 @@ class KernelConfig(NamedTuple):
     # ptxas's register cap per thread (0: its own choice), so that more blocks fit an SM: for first passes without key
     # padding or packed documents (whose branches, like the exact passes, hold more and would spill in the loop).
     max_registers: int = 0
+    # The backward's row sums of the distance gradient against bfloat16 values: 1 from a matmul of its parts against
+    # ones (``_exact_dot``), 0 summed in each thread, where the parts' second matmul layout spills (sm_80, d = 128).
+    sums_by_matmul: int = 1
 
 
 class LaunchConfig(NamedTuple):
@@ -133,7 +140,7 @@ class LaunchConfig(NamedTuple):
 
 
 def _config(fwd, dkdv, dq):
-    """A LaunchConfig from (block_m, block_n, num_warps, num_stages[, max_registers]) per kernel."""
+    """A LaunchConfig from (block_m, block_n, num_warps, num_stages[, max_registers[, sums_by_matmul]]) per kernel."""
     return LaunchConfig(KernelConfig(*fwd), KernelConfig(*dkdv), KernelConfig(*dq))
 
 
@@ -145,7 +152,7 @@ CONFIGS = {
         16: _config((128, 64, 8, 2), (32, 128, 8, 2), (128, 32, 8, 2)),
         32: _config((128, 32, 8, 2), (16, 128, 8, 2), (128, 32, 8, 2)),
         64: _config((128, 32, 8, 2), (16, 128, 8, 2), (128, 16, 8, 2)),
-        128: _config((128, 32, 8, 2), (16, 32, 4, 2), (32, 32, 4, 2)),
+        128: _config((128, 32, 8, 2), (16, 32, 4, 2, 0, 0), (32, 32, 4, 2, 0, 0)),
     },
     (9, "half"): {
         16: _config((128, 64, 8, 2), (32, 128, 8, 2), (128, 32, 8, 2)),
@@ -400,32 +407,66 @@ def _split_high(x, MASK: constexpr):
 
 
 @jit
-def _exact_dot(a, b, acc, EXACT: constexpr):
-    """acc + a @ b for a float32 ``a`` (a distance gradient) and half-precision ``b``, whose products are exact: ``a``
-    alone is split. Against bfloat16, into bfloat16 parts (8 significant bits each): 16-bit operands keep the
-    accumulator's register layout, so that no part is shuffled to another, and a bfloat16 matmul costs half a TF32
-    one. The exact pass takes three parts (24 bits, float32's): its close pairs' terms cancel against rowsum(a) v by
-    up to 2^22. The first pass takes two (16 bits): its blocks have no close pair, |v_x - v_y| >= 2^-4 |v_x|, so that
-    the cancellation multiplies a's rounding (2^-17) by at most 17, 1.3e-4 of each term, a fifteenth of the bfloat16
-    rounding of the result. Against float16, whose range cannot hold ``a``, into TF32 parts: two TF32 matmuls, not
-    tf32x3's three."""
+def _row_sums_init(rows: constexpr, values_dtype: constexpr, BY_MATMUL: constexpr):
+    """The zero accumulator of ``_exact_dot``'s row sums: (rows, SUM_COLUMNS) where a matmul forms them, (rows,)
+    otherwise."""
+    if BY_MATMUL and values_dtype == tl.bfloat16:
+        sums = tl.zeros([rows, SUM_COLUMNS], tl.float32)
+    else:
+        sums = tl.zeros([rows], tl.float32)
+    return sums
+
+
+@jit
+def _row_sums(sums):
+    """Each row's sum from ``_exact_dot``'s accumulator (its columns are equal where it has several)."""
+    if len(sums.shape) == 2:
+        sums = tl.max(sums, 1)
+    return sums
+
+
+@jit
+def _part_dot(part, b, acc, sums, BY_MATMUL: constexpr):
+    """``_exact_dot``'s matmul and row sums of one bfloat16 part."""
+    part = part.to(tl.bfloat16)
+    if BY_MATMUL:
+        sums = tl.dot(part, tl.full([part.shape[1], SUM_COLUMNS], 1.0, tl.bfloat16), sums)
+    else:
+        sums += tl.sum(part.to(tl.float32), 1)
+    return tl.dot(part, b, acc), sums
+
+
+@jit
+def _exact_dot(a, b, acc, sums, EXACT: constexpr, SUMS_BY_MATMUL: constexpr):
+    """(acc + a @ b, sums + rowsum(a)) for a float32 ``a`` (a distance gradient) and half-precision ``b``, whose
+    products are exact: ``a`` alone is rounded or split. The caller forms rowsum(a) v_x - a V, whose terms cancel
+    where values are near: against bfloat16 the row sums come from the very parts the matmul takes (a matmul against
+    a tile of ones, ``_row_sums_init``, or their float32 sums), so that the cancellation is exact and each term keeps
+    its parts' rounding.
+    The first pass takes ``a`` rounded to bfloat16 (2^-9 of each term, as W^T dU has of W's rounding): its blocks have
+    no close pair. The exact pass splits it into three bfloat16 parts (24 bits, float32's) for the close pairs'
+    terms, which dominate dV where values nearly coincide. 16-bit operands keep the accumulator's register layout,
+    so that no part is shuffled to another. Against float16, whose range cannot hold ``a``, two TF32 parts (not
+    tf32x3's three) against float32 row sums."""
     if b.dtype == tl.float32:
         acc = tl.dot(a, b, acc, input_precision=FLOAT32_DOT)
+        sums += tl.sum(a, 1)
     elif b.dtype == tl.bfloat16:
-        a_high = _split_high(a, BFLOAT16_MASK)
-        rest = a - a_high
         if EXACT:
-            a_mid = _split_high(rest, BFLOAT16_MASK)
-            acc = tl.dot((rest - a_mid).to(tl.bfloat16), b, acc)  # the smallest part first
-            rest = a_mid
-        acc = tl.dot(rest.to(tl.bfloat16), b, acc)
-        acc = tl.dot(a_high.to(tl.bfloat16), b, acc)
+            a_high = _split_high(a, BFLOAT16_MASK)
+            a_mid = _split_high(a - a_high, BFLOAT16_MASK)
+            acc, sums = _part_dot(a - a_high - a_mid, b, acc, sums, SUMS_BY_MATMUL)  # the smallest part first
+            acc, sums = _part_dot(a_mid, b, acc, sums, SUMS_BY_MATMUL)
+            acc, sums = _part_dot(a_high, b, acc, sums, SUMS_BY_MATMUL)
+        else:
+            acc, sums = _part_dot(a, b, acc, sums, SUMS_BY_MATMUL)
     else:
         b = b.to(tl.float32)
         a_high = _split_high(a, TF32_MASK)
         acc = tl.dot(a_high, b, acc, input_precision="tf32")
         acc = tl.dot(a - a_high, b, acc, input_precision="tf32")
-    return acc
+        sums += tl.sum(a, 1)
+    return acc, sums
 
 
 # Tiles pair queries with keys. The forward and dq kernels hold a query block and hold its tiles as
@@ -868,7 +909,8 @@ def _dkdv_tile(grad_k, grad_v, grad_dist_sum, k, values, sq_keys_eps, close_boun
                GradOut, Lse, Delta, OwnDot, key_keep_row, docs, num_queries, num_keys, scale_log2, exponent, use_high,
                eps, HEAD_DIM: constexpr, VALUE_DIM: constexpr, BLOCK_D: constexpr, BLOCK_DV: constexpr,
                BLOCK_M: constexpr, POWER_LOW: constexpr, POWER_HIGH: constexpr, MASKED: constexpr, IS_CAUSAL: constexpr,
-               HAS_KEY_MASK: constexpr, HAS_DOCUMENTS: constexpr, EULER: constexpr, EXACT: constexpr):  # fmt: skip
+               HAS_KEY_MASK: constexpr, HAS_DOCUMENTS: constexpr, EULER: constexpr, EXACT: constexpr,
+               SUMS_BY_MATMUL: constexpr):  # fmt: skip
     rows = start + tl.arange(0, BLOCK_M)
     q = _load_rows(Q + slab * num_queries * HEAD_DIM, rows, num_queries, HEAD_DIM, BLOCK_D, MASKED)
     v_query, sq_query, grad_out, lse, delta, own_dot = _query_side(
@@ -885,8 +927,7 @@ def _dkdv_tile(grad_k, grad_v, grad_dist_sum, k, values, sq_keys_eps, close_boun
     grad_k += tl.dot(grad_scores.to(q.dtype), q, input_precision=FLOAT32_DOT)
     # Key side of the distances: dv_y += 2 sum_x dL/dD2 (v_y - v_x) (grad_dist is -2 dL/dD2); the v_y term after the
     # loop.
-    grad_dist_sum += tl.sum(grad_dist, 1)
-    grad_v = _exact_dot(grad_dist, v_query, grad_v, EXACT)
+    grad_v, grad_dist_sum = _exact_dot(grad_dist, v_query, grad_v, grad_dist_sum, EXACT, SUMS_BY_MATMUL)
     return grad_k, grad_v, grad_dist_sum
 
 
@@ -897,7 +938,7 @@ def _plap_bwd_dkdv_kernel(
     high_heads, eps,
     HEAD_DIM: constexpr, VALUE_DIM: constexpr, BLOCK_D: constexpr, BLOCK_DV: constexpr, BLOCK_M: constexpr,
     BLOCK_N: constexpr, POWER_LOW: constexpr, POWER_HIGH: constexpr, IS_CAUSAL: constexpr, HAS_KEY_MASK: constexpr,
-    HAS_DOCUMENTS: constexpr, EULER: constexpr, EXACT: constexpr, FLAG_BLOCK: constexpr,
+    HAS_DOCUMENTS: constexpr, EULER: constexpr, EXACT: constexpr, FLAG_BLOCK: constexpr, SUMS_BY_MATMUL: constexpr,
 ):  # fmt: skip
     """A key block goes to the exact pass where the forward's exact pass flagged a key tile (FLAG_BLOCK keys) that
     holds any of its keys, and to the first pass otherwise; each pass leaves the other's blocks at once."""
@@ -918,7 +959,7 @@ def _plap_bwd_dkdv_kernel(
 
     grad_k = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     grad_v = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
-    grad_dist_sum = tl.zeros([BLOCK_N], tl.float32)
+    grad_dist_sum = _row_sums_init(BLOCK_N, V.dtype.element_ty, SUMS_BY_MATMUL)
     plain, masked = _query_loop_bounds(pid_n, num_queries, num_keys, span, BLOCK_M, BLOCK_N, IS_CAUSAL,
                                        HAS_KEY_MASK)  # fmt: skip
     num_plain, num_masked = plain[0], masked[0]
@@ -927,17 +968,17 @@ def _plap_bwd_dkdv_kernel(
             grad_k, grad_v, grad_dist_sum, k, values, sq_keys_eps, close_bounds, cols,
             _tile_start(index, plain, BLOCK_M), slab, Q, V, SqNorms, GradOut, Lse, Delta, OwnDot, key_keep_row, docs,
             num_queries, num_keys, scale_log2, exponent, use_high, eps, HEAD_DIM, VALUE_DIM, BLOCK_D, BLOCK_DV,
-            BLOCK_M, POWER_LOW, POWER_HIGH, False, IS_CAUSAL, HAS_KEY_MASK, HAS_DOCUMENTS, EULER, EXACT,
+            BLOCK_M, POWER_LOW, POWER_HIGH, False, IS_CAUSAL, HAS_KEY_MASK, HAS_DOCUMENTS, EULER, EXACT, SUMS_BY_MATMUL,
         )  # fmt: skip
     for index in range(0, num_masked):
         grad_k, grad_v, grad_dist_sum = _dkdv_tile(
             grad_k, grad_v, grad_dist_sum, k, values, sq_keys_eps, close_bounds, cols,
             _tile_start(index, masked, BLOCK_M), slab, Q, V, SqNorms, GradOut, Lse, Delta, OwnDot, key_keep_row, docs,
             num_queries, num_keys, scale_log2, exponent, use_high, eps, HEAD_DIM, VALUE_DIM, BLOCK_D, BLOCK_DV,
-            BLOCK_M, POWER_LOW, POWER_HIGH, True, IS_CAUSAL, HAS_KEY_MASK, HAS_DOCUMENTS, EULER, EXACT,
+            BLOCK_M, POWER_LOW, POWER_HIGH, True, IS_CAUSAL, HAS_KEY_MASK, HAS_DOCUMENTS, EULER, EXACT, SUMS_BY_MATMUL,
         )  # fmt: skip
 
-    grad_v -= grad_dist_sum[:, None] * values.to(tl.float32)
+    grad_v -= _row_sums(grad_dist_sum)[:, None] * values.to(tl.float32)
     # The dq kernel, launched before, left each query's own-value part in float32 (the keys at or after the offset
     # are queries' values); dv is stored once, in the values' dtype.
     offset = num_keys - num_queries
@@ -953,7 +994,8 @@ def _dq_tile(grad_q, grad_v_own, grad_dist_sum, q, v_query_m2, sq_query_eps, clo
              own_dot, rows, start, K, V, SqNorms, key_keep_row, docs, num_queries, num_keys, scale_log2, exponent,
              use_high, eps, HEAD_DIM: constexpr, VALUE_DIM: constexpr, BLOCK_D: constexpr, BLOCK_DV: constexpr,
              BLOCK_N: constexpr, POWER_LOW: constexpr, POWER_HIGH: constexpr, MASKED: constexpr, IS_CAUSAL: constexpr,
-             HAS_KEY_MASK: constexpr, HAS_DOCUMENTS: constexpr, EULER: constexpr, EXACT: constexpr):  # fmt: skip
+             HAS_KEY_MASK: constexpr, HAS_DOCUMENTS: constexpr, EULER: constexpr, EXACT: constexpr,
+             SUMS_BY_MATMUL: constexpr):  # fmt: skip
     cols = start + tl.arange(0, BLOCK_N)
     k = _load_rows(K, cols, num_keys, HEAD_DIM, BLOCK_D, MASKED)
     values = _load_rows(V, cols, num_keys, VALUE_DIM, BLOCK_DV, MASKED)
@@ -964,8 +1006,7 @@ def _dq_tile(grad_q, grad_v_own, grad_dist_sum, q, v_query_m2, sq_query_eps, clo
         POWER_HIGH, MASKED, IS_CAUSAL, HAS_KEY_MASK, HAS_DOCUMENTS, EULER, 0, EXACT,
     )  # fmt: skip
     grad_q += tl.dot(grad_scores.to(k.dtype), k, input_precision=FLOAT32_DOT)
-    grad_v_own = _exact_dot(grad_dist, values, grad_v_own, EXACT)
-    grad_dist_sum += tl.sum(grad_dist, 1)
+    grad_v_own, grad_dist_sum = _exact_dot(grad_dist, values, grad_v_own, grad_dist_sum, EXACT, SUMS_BY_MATMUL)
     return grad_q, grad_v_own, grad_dist_sum
 
 
@@ -976,7 +1017,7 @@ def _plap_bwd_dq_kernel(
     high_heads, eps,
     HEAD_DIM: constexpr, VALUE_DIM: constexpr, BLOCK_D: constexpr, BLOCK_DV: constexpr, BLOCK_M: constexpr,
     BLOCK_N: constexpr, POWER_LOW: constexpr, POWER_HIGH: constexpr, IS_CAUSAL: constexpr, HAS_KEY_MASK: constexpr,
-    HAS_DOCUMENTS: constexpr, EULER: constexpr, EXACT: constexpr, FLAG_BLOCK: constexpr,
+    HAS_DOCUMENTS: constexpr, EULER: constexpr, EXACT: constexpr, FLAG_BLOCK: constexpr, SUMS_BY_MATMUL: constexpr,
 ):  # fmt: skip
     """A query block goes to the exact pass where the forward flagged one of its query blocks (FLAG_BLOCK queries)
     that holds any of this block's queries, and to the first pass otherwise; each pass leaves the other's blocks at
@@ -1005,7 +1046,7 @@ def _plap_bwd_dq_kernel(
 
     grad_q = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     grad_v_own = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)  # query side of the distances
-    grad_dist_sum = tl.zeros([BLOCK_M], tl.float32)
+    grad_dist_sum = _row_sums_init(BLOCK_M, V.dtype.element_ty, SUMS_BY_MATMUL)
     plain, masked = _key_loop_bounds(pid_m, num_queries, num_keys, span, BLOCK_M, BLOCK_N, IS_CAUSAL,
                                      HAS_KEY_MASK)  # fmt: skip
     num_plain, num_masked = plain[0], masked[0]
@@ -1016,7 +1057,7 @@ def _plap_bwd_dq_kernel(
             rows,
             _tile_start(index, plain, BLOCK_N), K, V, SqNorms, key_keep_row, docs, num_queries, num_keys, scale_log2,
             exponent, use_high, eps, HEAD_DIM, VALUE_DIM, BLOCK_D, BLOCK_DV, BLOCK_N, POWER_LOW, POWER_HIGH, False,
-            IS_CAUSAL, HAS_KEY_MASK, HAS_DOCUMENTS, EULER, EXACT,
+            IS_CAUSAL, HAS_KEY_MASK, HAS_DOCUMENTS, EULER, EXACT, SUMS_BY_MATMUL,
         )  # fmt: skip
     for index in range(0, num_masked):
         grad_q, grad_v_own, grad_dist_sum = _dq_tile(
@@ -1025,13 +1066,13 @@ def _plap_bwd_dq_kernel(
             rows,
             _tile_start(index, masked, BLOCK_N), K, V, SqNorms, key_keep_row, docs, num_queries, num_keys, scale_log2,
             exponent, use_high, eps, HEAD_DIM, VALUE_DIM, BLOCK_D, BLOCK_DV, BLOCK_N, POWER_LOW, POWER_HIGH, True,
-            IS_CAUSAL, HAS_KEY_MASK, HAS_DOCUMENTS, EULER, EXACT,
+            IS_CAUSAL, HAS_KEY_MASK, HAS_DOCUMENTS, EULER, EXACT, SUMS_BY_MATMUL,
         )  # fmt: skip
 
     _store_rows(GradQ + slab * num_queries * HEAD_DIM, rows, num_queries, grad_q * (scale_log2 * LN_2), HEAD_DIM,
                 BLOCK_D)  # fmt: skip
     # dv_x += 2 sum_y dL/dD2 (v_x - v_y), plus for euler the direct dU_x (1 - rowsum W_off).
-    grad_v_own -= grad_dist_sum[:, None] * v_query.to(tl.float32)
+    grad_v_own -= _row_sums(grad_dist_sum)[:, None] * v_query.to(tl.float32)
     if EULER:
         own_weight = tl.load(OwnWeight + slab * num_queries + rows, mask=rows < num_queries, other=0.0)
         grad_v_own += own_weight[:, None] * grad_out.to(tl.float32)
@@ -1093,7 +1134,8 @@ def _slab_blocks(kernel, config, num_queries, num_keys):
 def _launches(kernel, config, query, key, value, tensors, p, is_causal, has_key_mask, has_documents, euler, eps,
               exact_only, flag_block=None):  # fmt: skip
     """The launches of ``kernel`` per group of heads, its first pass then its exact pass (or that alone); a backward
-    kernel's ``flag_block`` is the size of the forward's blocks (dq) or key tiles (dk/dv) that its flags cover."""
+    kernel's ``flag_block`` is the size of the forward's blocks (dq) or key tiles (dk/dv) that its flags cover, and
+    its row sums take ``config.sums_by_matmul``."""
     batch, heads, num_queries, head_dim = query.shape
     num_keys, value_dim = key.shape[2], value.shape[-1]
     blocks = _slab_blocks(kernel, config, num_queries, num_keys)
@@ -1105,7 +1147,7 @@ def _launches(kernel, config, query, key, value, tensors, p, is_causal, has_key_
                     HAS_KEY_MASK=has_key_mask, HAS_DOCUMENTS=has_documents, EULER=euler, num_warps=config.num_warps,
                     num_stages=config.num_stages)  # fmt: skip
         if flag_block is not None:
-            meta["FLAG_BLOCK"] = flag_block
+            meta.update(FLAG_BLOCK=flag_block, SUMS_BY_MATMUL=bool(config.sums_by_matmul))
         sizes = (first, end - first, heads, num_queries, num_keys, LOG2_E / math.sqrt(head_dim), (low - 2) / 2,
                  (high - 2) / 2, high_heads, eps)  # fmt: skip
         grid, args = (blocks * batch * (end - first),), (*tensors, *sizes)

@@ -245,7 +245,7 @@ def test_triton_exact_pass_alone_equals_both_passes(monkeypatch, mask, formulati
     """Calls up to ONE_PASS_PAIRS run each kernel's exact pass alone over every block, larger ones a first pass and
     the exact pass of the flagged blocks: in float32 the same outputs and gradients to the bit, with blocks of both
     kinds (copies of position 3's value at 21 and 39, blocks of 16, causal). (With bfloat16 values the exact pass
-    splits Gd in three parts where a first pass takes two.)"""
+    splits Gd in three parts where a first pass rounds it to bfloat16.)"""
     shape = (2, 2, 40, 40, 16, 16)
     inputs, p = make_inputs(*shape, torch.float32)
     with torch.no_grad():
