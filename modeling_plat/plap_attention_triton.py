@@ -442,9 +442,8 @@ def _exact_dot(a, b, acc, sums, EXACT: constexpr, SUMS_BY_MATMUL: constexpr):
     products are exact: ``a`` alone is rounded or split. The caller forms rowsum(a) v_x - a V, whose terms cancel
     where values are near: against bfloat16 the row sums come from the very parts the matmul takes (a matmul against
     a tile of ones, ``_row_sums_init``, or their float32 sums), so that the cancellation is exact and each term keeps
-    its parts' rounding.
-    The first pass takes ``a`` rounded to bfloat16 (2^-9 of each term, as W^T dU has of W's rounding): its blocks have
-    no close pair. The exact pass splits it into three bfloat16 parts (24 bits, float32's) for the close pairs'
+    its parts' rounding. The first pass takes ``a`` rounded to bfloat16 (2^-9 of each term, as W^T dU has of W's
+    rounding): its blocks have no close pair. The exact pass splits it into three bfloat16 parts (24 bits, float32's) for the close pairs'
     terms, which dominate dV where values nearly coincide. 16-bit operands keep the accumulator's register layout,
     so that no part is shuffled to another. Against float16, whose range cannot hold ``a``, two TF32 parts (not
     tf32x3's three) against float32 row sums."""
