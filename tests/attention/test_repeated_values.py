@@ -16,6 +16,7 @@ from tiny import LLAMA_SHAPE, lm
 from transformers import DataCollatorWithFlattening
 
 from modeling_plat import plap_attention_triton as triton_module
+from modeling_plat import triton_configs
 from modeling_plat.plap_attention_reference import squared_value_distances
 
 P = (1.0, 1.5, 2.5, 3.0)
@@ -182,7 +183,7 @@ def test_triton_redoes_exactly_the_blocks_with_close_pairs(monkeypatch, two_pass
     def run(launch, query, value):
         original(launch, query, value)
         passes.append((launch.kernel.__name__, launch.meta["EXACT"]))
-        if launch.kernel.__name__ == "_plap_fwd_kernel":  # its flags, the last two tensor arguments
+        if launch.kernel.__name__ == "plap_forward_kernel":  # its flags, the last two tensor arguments
             query_blocks, key_tiles = [a for a in launch.args if isinstance(a, torch.Tensor)][-2:]
             flags["key tiles" if launch.meta["EXACT"] else "query blocks"] = (key_tiles if launch.meta["EXACT"]
                                                                                else query_blocks).tolist()
@@ -214,7 +215,7 @@ def test_triton_backward_passes_split_blocks_by_the_forward_flags():
     none the exact passes write none; the other pass writes them all, finite."""
     shape, p = (1, 2, 40, 40, 16, 16), [1.5, 2.5]
     query, key, value = (t.detach() for t in make_inputs(*shape, torch.float32)[0])
-    config = triton_module.INTERPRETER_CONFIG
+    config = triton_configs.INTERPRETER_CONFIG
     if ON_CUDA:
         config = triton_module.launch_config(query.dtype, 16, 16, torch.cuda.get_device_capability(DEVICE))
     config = config.with_blocks(16, 16)

@@ -14,6 +14,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from modeling_plat import plap_attention_triton as triton_module
+from modeling_plat import triton_configs
 from modeling_plat.plap_attention import choose_backend, plap_attention
 from test_triton_compile import DEFAULT_CASES
 
@@ -81,7 +82,7 @@ def test_auto_picks_triton_only_where_compiled(gpu, capability):
                 assert choice == "tiled"
                 with pytest.raises(ValueError, match="backend 'triton' cannot run this input: " + reason[:20]):
                     choose(q, k, v, attn_mask, backend="triton")
-    checked = capability in triton_module.SHARED_MEMORY_LIMIT
+    checked = capability in triton_configs.SHARED_MEMORY_LIMIT
     assert ("triton" in choices) == checked
 
 
@@ -165,7 +166,7 @@ def test_a_launch_failure_names_the_configuration(monkeypatch):
     from triton.runtime.errors import OutOfResources
 
     class FailingKernel:
-        __name__ = "_plap_fwd_kernel"
+        __name__ = "plap_forward_kernel"
 
         def __getitem__(self, grid):
             def launch(*args, **kwargs):
@@ -173,12 +174,12 @@ def test_a_launch_failure_names_the_configuration(monkeypatch):
 
             return launch
 
-    monkeypatch.setattr(triton_module, "_plap_fwd_kernel", FailingKernel())
+    monkeypatch.setattr(triton_module, "plap_forward_kernel", FailingKernel())
     q = torch.zeros(1, 2, 8, 16, dtype=torch.float16)
     with pytest.raises(RuntimeError) as failure:
         triton_module.plap_attention_triton(q, q, q, p=(1.5, 1.5))
     message = str(failure.value)
-    for part in ("_plap_fwd_kernel", "torch.float16", "head sizes 16/16", "the Triton interpreter",
+    for part in ("plap_forward_kernel", "torch.float16", "head sizes 16/16", "the Triton interpreter",
                  f"triton {triton_module.triton.__version__}", "out of resource: shared memory",
                  "plap_backend='tiled'"):  # fmt: skip
         assert part in message
@@ -245,9 +246,9 @@ def test_the_paper_mix_is_one_launch_per_kernel():
     p = tuple(1.5 if h < heads // 2 else 2.5 for h in range(heads))
     query = torch.zeros(batch, heads, length, head_dim)
     stats, sq_norms = torch.zeros(batch, heads, length), torch.zeros(batch, heads, length)
-    flags = (p, True, 1e-6, False, triton_module.INTERPRETER_CONFIG)
+    flags = (p, True, 1e-6, False, triton_configs.INTERPRETER_CONFIG)
     exact_blocks = [torch.zeros(n) for n in triton_module.exact_block_counts(query, query,
-                                                                             triton_module.INTERPRETER_CONFIG)]
+                                                                             triton_configs.INTERPRETER_CONFIG)]
     forward = triton_module.forward_launches(query, query, query, sq_norms, None, None, query, stats, stats,
                                              exact_blocks, *flags)  # fmt: skip
     backward = triton_module.backward_launches(query, query, query, sq_norms, None, None, query, query, stats, stats,

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from modeling_plat import plap_attention_triton as triton_module
+from modeling_plat import triton_backward, triton_configs
 from modeling_plat.plap_attention_tiled import plap_attention_tiled
 from reference import reference_plap_attention
 from test_backends import check, make_inputs, make_mask, relative_error, run_triton
@@ -29,7 +30,7 @@ if triton_module.INTERPRETED:
 
     @triton.jit
     def float32_row_sums(sums, a):
-        """``sums`` (of either shape ``_row_sums_init`` makes) + rowsum(a) in float32."""
+        """``sums`` (of either shape ``row_sums_init`` makes) + rowsum(a) in float32."""
         if len(sums.shape) == 2:
             sums += tl.sum(a, 1)[:, None]
         else:
@@ -41,7 +42,7 @@ if triton_module.INTERPRETED:
         """What the kernels did before: the distance-gradient matmuls in plain TF32, row sums in float32."""
         return tl.dot(a, b.to(tl.float32), acc, input_precision="tf32"), float32_row_sums(sums, a)
 
-    exact_dot = triton_module._exact_dot
+    exact_dot = triton_backward.exact_dot
 
     @triton.jit
     def three_bfloat16_parts(a, b, acc, sums, EXACT: tl.constexpr, SUMS_BY_MATMUL: tl.constexpr):
@@ -106,8 +107,8 @@ def test_bfloat16_kernels_match_reference(gpu_dots, monkeypatch, formulation, pa
     kernel's two passes (calls above ONE_PASS_PAIRS) and from its exact pass alone (every block flagged), with the
     distance gradient's row sums from a matmul against ones or summed in each thread (``sums_by_matmul``)."""
     monkeypatch.setattr(triton_module, "ONE_PASS_PAIRS", 0 if passes == "first and exact" else 2**62)
-    config = triton_module.INTERPRETER_CONFIG
-    config = triton_module.LaunchConfig(*(kernel._replace(sums_by_matmul=int(sums == "matmul")) for kernel in config))
+    config = triton_configs.INTERPRETER_CONFIG
+    config = triton_configs.LaunchConfig(*(kernel._replace(sums_by_matmul=sums == "matmul") for kernel in config))
     run = lambda *args, **kwargs: run_kernels(*args, **kwargs, config=config)  # noqa: E731
     shape = (2, 2, 17, 33, 16, 24)
     inputs, p = make_inputs(*shape, torch.bfloat16)
@@ -152,7 +153,7 @@ def test_distance_gradient_stays_at_float32_floor(gpu_dots, monkeypatch, dtype):
 
     floor = value_gradient_error(tiled_float32, dtype)
     kernels = value_gradient_error(run_kernels, dtype)
-    monkeypatch.setattr(triton_module, "_exact_dot", plain_tf32_dot)
+    monkeypatch.setattr(triton_backward, "exact_dot", plain_tf32_dot)
     plain_tf32 = value_gradient_error(run_kernels, dtype)
     assert kernels <= 4 * floor
     assert plain_tf32 >= 5 * kernels
@@ -175,22 +176,22 @@ def test_first_pass_distance_gradient_rounded_to_bfloat16(gpu_dots, two_passes, 
     (some blocks flagged, which the exact passes take) give dV within 1% of the error of three parts everywhere
     (2.47e-3 and 2.18e-3, about dV's own bfloat16 rounding). The same rounding against float32 row sums, whose
     cancellation against Gd V multiplies it, makes the error 1.2x and 1.6x."""
-    flags, run, exact_dot_of_kernels = [], triton_module._run, triton_module._exact_dot
+    flags, run, exact_dot_of_kernels = [], triton_module._run, triton_backward.exact_dot
 
     def record_flags(launch, query, value):
         run(launch, query, value)
-        if launch.kernel.__name__ == "_plap_fwd_kernel" and launch.meta["EXACT"]:  # the forward's, which all follow
+        if launch.kernel.__name__ == "plap_forward_kernel" and launch.meta["EXACT"]:  # the forward's, which all follow
             flags.append(sum(int(a.sum()) for a in [a for a in launch.args if isinstance(a, torch.Tensor)][-2:]))
 
     monkeypatch.setattr(triton_module, "_run", record_flags)
     for spread, flagged in ((0.15, False), (0.1, True)):
         flags.clear()
-        monkeypatch.setattr(triton_module, "_exact_dot", exact_dot_of_kernels)
+        monkeypatch.setattr(triton_backward, "exact_dot", exact_dot_of_kernels)
         first = spread_value_gradient_error(run_kernels, spread)
         assert len(flags) == 1 and bool(flags[0]) == flagged, flags
-        monkeypatch.setattr(triton_module, "_exact_dot", three_bfloat16_parts)
+        monkeypatch.setattr(triton_backward, "exact_dot", three_bfloat16_parts)
         three = spread_value_gradient_error(run_kernels, spread)
-        monkeypatch.setattr(triton_module, "_exact_dot", rounded_against_float32_sums)
+        monkeypatch.setattr(triton_backward, "exact_dot", rounded_against_float32_sums)
         float32_sums = spread_value_gradient_error(run_kernels, spread)
         assert first <= 1.02 * three and float32_sums >= 1.15 * three, (spread, first, three, float32_sums)
 
@@ -207,7 +208,7 @@ def gpu_configurations():
     bucket that is not a power of two; all but two of them run with ``-m slow``."""
     default = {(9, "half", 64), (8, "float32", 16)}
     seen = {}
-    for (generation, kind), table in triton_module.CONFIGS.items():
+    for (generation, kind), table in triton_configs.CONFIGS.items():
         for bucket, config in table.items():
             # The interpreter's own float16 stands in for both half types: only the tiling is checked here.
             dtype = torch.float32 if kind == "float32" else torch.float16

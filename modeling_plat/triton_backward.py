@@ -1,0 +1,322 @@
+"""The fused backward kernels of p-Laplacian attention: dQ (with the query side of dV), then dK/dV.
+
+Both recompute each tile's weights from the forward's logsumexp (``_tile_grads``): W = A * P, dS = W * dW - A * D with
+FlashAttention's D = rowsum(dU * U), and the distance gradient -2 dL/dD2, which reaches dV through
+dv_x += 2 sum_y dL/dD2 (v_x - v_y) on the query side and the same with y and x swapped on the key side.
+
+- ``plap_dq_kernel``: one program per (query block, batch * head), launched first; stores its queries' D for the
+  dK/dV kernel, loops over key tiles for dQ and the query-side part of dV (float32, ``GradVOwn``).
+- ``plap_dkdv_kernel``: one program per (key block, batch * head); loops over query tiles for dK and the key-side part
+  of dV, adds the query side and stores dV once in the values' dtype.
+
+Each runs a first pass and an exact pass over its grid (``EXACT``), split by the forward's flags: a dQ block takes the
+exact pass where the forward flagged one of its query blocks holding any of its queries, a dK/dV block where the
+forward's exact pass flagged a key tile holding any of its keys; each pass leaves the other's blocks at once.
+"""
+
+from .triton_tiles import (
+    FLOAT32_DOT, LN_2, any_set, class_exponent, close_bounds, distances, exact_dot, fixed_documents, forward_flagged,
+    head_exponent, key_loop_bounds, load_rows, load_vector, masked_scores, pair_dot, per_query, power, program_ids,
+    query_loop_bounds, row_ptrs, row_sums, row_sums_init, store_rows, tile_start, times_minus_two, tl,
+)  # fmt: skip
+from .triton_tiles import constexpr as constexpr
+from .triton_tiles import jit
+
+
+@jit
+def _tile_grads(q, k, query_side, key_side, bounds, grad_out, row_stats, V, rows, cols, sizes, masks, head,
+                VALUE_DIM: constexpr, POWER: constexpr, MASKED: constexpr, IS_CAUSAL: constexpr,
+                HAS_KEY_MASK: constexpr, HAS_DOCUMENTS: constexpr, EULER: constexpr, QUERY_AXIS: constexpr,
+                EXACT: constexpr):  # fmt: skip
+    """Recompute one tile (``query_side`` and ``key_side`` as ``distances`` takes them): W (W_off for euler), dS and
+    -2 dL/dD2 (0 where D2 + eps is eps: self and coinciding pairs, whose exact gradient through D2 is 0 and whose
+    computed one would be rounding), and whether it has close pairs (without EXACT their distances stay expanded: the
+    caller discards such tiles). The sign joins the constant 2 (p - 2) / 2, so that the distance matmuls take it
+    without a negation per score. ``row_stats`` are the queries' (lse, D, euler's dU . v_x)."""
+    num_queries, num_keys = sizes
+    scale_log2, exponent, eps = head
+    lse, delta, own_dot = row_stats
+    scores = masked_scores(pair_dot(q, k, QUERY_AXIS) * scale_log2, rows, cols, sizes, masks, MASKED=MASKED,
+                           IS_CAUSAL=IS_CAUSAL, HAS_KEY_MASK=HAS_KEY_MASK, HAS_DOCUMENTS=HAS_DOCUMENTS,
+                           QUERY_AXIS=QUERY_AXIS)  # [BF, BL]  # fmt: skip
+    attn = tl.exp2(scores - per_query(lse, QUERY_AXIS))
+    dist_eps, is_self, has_close = distances(query_side, key_side, bounds, V, rows, cols, num_keys,
+                                             num_keys - num_queries, eps, VALUE_DIM=VALUE_DIM, MASKED=MASKED,
+                                             QUERY_AXIS=QUERY_AXIS, EXACT=EXACT)  # fmt: skip
+    exponent = class_exponent(exponent, POWER)
+    weight_power, inv_dist = power(dist_eps, exponent, POWER)
+    weights = attn * weight_power
+    grad_w = pair_dot(grad_out, key_side[0], QUERY_AXIS)  # G = dU V^T
+    if EULER:
+        if MASKED:
+            weights = tl.where(is_self, 0.0, weights)
+        grad_w -= per_query(own_dot, QUERY_AXIS)  # dW = G - dU.v_x
+    weighted = weights * grad_w
+    grad_scores = weighted - attn * per_query(delta, QUERY_AXIS)
+    grad_dist = (-2 * exponent) * weighted * inv_dist
+    if MASKED:  # self pairs
+        grad_dist = tl.where(dist_eps == eps, 0.0, grad_dist)
+    elif EXACT:
+        if any_set(has_close):
+            grad_dist = tl.where(dist_eps == eps, 0.0, grad_dist)
+    return weights, grad_scores, grad_dist
+
+
+@jit
+def _query_side(slab, rows, V, SqNorms, GradOut, Lse, Delta, OwnDot, num_queries, num_keys, VALUE_DIM: constexpr,
+                BLOCK_DV: constexpr, LOAD_STATS: constexpr, CHECK_ROWS: constexpr):  # fmt: skip
+    """What a backward tile needs of a block of queries besides q: own values [BM, BDV], their squared norms (without
+    eps: the fixed block's carry it), dU [BM, BDV], the logsumexp, and (``LOAD_STATS``) the row statistics [BM]."""
+    offset = num_keys - num_queries
+    stats = slab * num_queries
+    v_query = load_rows(V + offset * VALUE_DIM, rows, num_queries, VALUE_DIM, BLOCK_DV, CHECK_ROWS)
+    sq_query = load_vector(SqNorms + offset, rows, num_queries, 0.0, CHECK_ROWS)
+    grad_out = load_rows(GradOut + stats * VALUE_DIM, rows, num_queries, VALUE_DIM, BLOCK_DV, CHECK_ROWS)
+    lse = load_vector(Lse + stats, rows, num_queries, float("inf"), CHECK_ROWS)
+    delta = lse  # not read: the dq kernel computes its own (``_row_stats``)
+    own_dot = lse
+    if LOAD_STATS:
+        delta = load_vector(Delta + stats, rows, num_queries, 0.0, CHECK_ROWS)
+        own_dot = load_vector(OwnDot + stats, rows, num_queries, 0.0, CHECK_ROWS)
+    return v_query, sq_query, grad_out, lse, delta, own_dot
+
+
+@jit
+def _row_stats(Out, Delta, OwnDot, slab, rows, grad_out, v_query, num_queries, VALUE_DIM: constexpr,
+               EULER: constexpr):  # fmt: skip
+    """FlashAttention's D = rowsum(dU * U) of the dq kernel's own queries, in float32 from the stored operands;
+    euler subtracts the own-value part dU . v_x (its ``own_dot``), which the paper formulation never reads. Stored
+    for the dkdv kernel, launched after, whose loops read every query's: by the pass that runs the block."""
+    grad_out = grad_out.to(tl.float32)
+    out = load_rows(Out + slab * num_queries * VALUE_DIM, rows, num_queries, VALUE_DIM, grad_out.shape[1])
+    delta = tl.sum(grad_out * out.to(tl.float32), 1)  # [BM]
+    own_dot = delta
+    if EULER:
+        own_dot = tl.sum(grad_out * v_query.to(tl.float32), 1)
+        delta -= own_dot
+    row_in = rows < num_queries
+    tl.store(Delta + slab * num_queries + rows, delta, mask=row_in)
+    if EULER:
+        tl.store(OwnDot + slab * num_queries + rows, own_dot, mask=row_in)
+    return delta, own_dot
+
+
+# ------------------------------------------------------------------------------------------------ dK and dV
+
+
+@jit
+def _dkdv_tile(grad_k, grad_v, grad_dist_sum, keys, queries, head, sizes, start, HEAD_DIM: constexpr,
+               VALUE_DIM: constexpr, BLOCK_M: constexpr, POWER: constexpr, MASKED: constexpr, IS_CAUSAL: constexpr,
+               HAS_KEY_MASK: constexpr, HAS_DOCUMENTS: constexpr, EULER: constexpr, EXACT: constexpr,
+               SUMS_BY_MATMUL: constexpr):  # fmt: skip
+    """dK, dV and the distance gradient's row sums after the query tile at ``start``; (keys, queries) tiles."""
+    cols, k, values, sq_keys_eps, bounds = keys
+    slab, Q, V, SqNorms, GradOut, Lse, Delta, OwnDot, masks = queries
+    num_queries, num_keys = sizes
+    rows = start + tl.arange(0, BLOCK_M)  # [BM]
+    q = load_rows(Q + slab * num_queries * HEAD_DIM, rows, num_queries, HEAD_DIM, k.shape[1], MASKED)  # [BM, BD]
+    v_query, sq_query, grad_out, lse, delta, own_dot = _query_side(
+        slab, rows, V, SqNorms, GradOut, Lse, Delta, OwnDot, num_queries, num_keys, VALUE_DIM=VALUE_DIM,
+        BLOCK_DV=values.shape[1], LOAD_STATS=True, CHECK_ROWS=MASKED,
+    )  # fmt: skip
+    weights, grad_scores, grad_dist = _tile_grads(
+        q, k, (v_query, sq_query), (values, sq_keys_eps), bounds, grad_out, (lse, delta, own_dot), V, rows, cols,
+        sizes, masks, head, VALUE_DIM=VALUE_DIM, POWER=POWER, MASKED=MASKED, IS_CAUSAL=IS_CAUSAL,
+        HAS_KEY_MASK=HAS_KEY_MASK, HAS_DOCUMENTS=HAS_DOCUMENTS, EULER=EULER, QUERY_AXIS=1, EXACT=EXACT,
+    )  # [BN, BM] each  # fmt: skip
+    grad_v += tl.dot(weights.to(grad_out.dtype), grad_out, input_precision=FLOAT32_DOT)
+    grad_k += tl.dot(grad_scores.to(q.dtype), q, input_precision=FLOAT32_DOT)
+    # Key side of the distances: dv_y += 2 sum_x dL/dD2 (v_y - v_x) (grad_dist is -2 dL/dD2); the v_y term after the
+    # loop.
+    grad_v, grad_dist_sum = exact_dot(grad_dist, v_query, grad_v, grad_dist_sum, EXACT, SUMS_BY_MATMUL)
+    return grad_k, grad_v, grad_dist_sum
+
+
+@jit
+def _dkdv_loop(keys, queries, head, sizes, plain, masked, HEAD_DIM: constexpr, VALUE_DIM: constexpr,
+               BLOCK_M: constexpr, POWER: constexpr, IS_CAUSAL: constexpr, HAS_KEY_MASK: constexpr,
+               HAS_DOCUMENTS: constexpr, EULER: constexpr, EXACT: constexpr, SUMS_BY_MATMUL: constexpr):  # fmt: skip
+    """The plain query tiles, then the masked ones (``query_loop_bounds``), with one power class: (dK, dV without
+    its v_y term, the distance gradient's row sums)."""
+    cols, k, values = keys[0], keys[1], keys[2]
+    grad_k = tl.zeros([cols.shape[0], k.shape[1]], tl.float32)  # [BN, BD]
+    grad_v = tl.zeros([cols.shape[0], values.shape[1]], tl.float32)  # [BN, BDV]
+    grad_dist_sum = row_sums_init(cols.shape[0], values.dtype, SUMS_BY_MATMUL)
+    for phase in tl.static_range(2):
+        tiles = plain if phase == 0 else masked
+        for index in range(0, tiles[0]):
+            grad_k, grad_v, grad_dist_sum = _dkdv_tile(
+                grad_k, grad_v, grad_dist_sum, keys, queries, head, sizes, tile_start(index, tiles, BLOCK_M),
+                HEAD_DIM=HEAD_DIM, VALUE_DIM=VALUE_DIM, BLOCK_M=BLOCK_M, POWER=POWER, MASKED=phase == 1,
+                IS_CAUSAL=IS_CAUSAL, HAS_KEY_MASK=HAS_KEY_MASK, HAS_DOCUMENTS=HAS_DOCUMENTS, EULER=EULER, EXACT=EXACT,
+                SUMS_BY_MATMUL=SUMS_BY_MATMUL,
+            )  # fmt: skip
+    return grad_k, grad_v, grad_dist_sum
+
+
+@jit(do_not_specialize=["high_heads"])
+def plap_dkdv_kernel(
+    Q, K, V, SqNorms, KeyKeep, Documents, GradOut, Lse, Delta, OwnDot, GradVOwn, GradK, GradV, KeyTiles,
+    head_start, run_heads, num_heads, num_queries, num_keys, scale_log2, exponent_low, exponent_high,
+    high_heads, eps,
+    HEAD_DIM: constexpr, VALUE_DIM: constexpr, BLOCK_D: constexpr, BLOCK_DV: constexpr, BLOCK_M: constexpr,
+    BLOCK_N: constexpr, POWER_LOW: constexpr, POWER_HIGH: constexpr, IS_CAUSAL: constexpr, HAS_KEY_MASK: constexpr,
+    HAS_DOCUMENTS: constexpr, EULER: constexpr, EXACT: constexpr, FLAG_BLOCK: constexpr, SUMS_BY_MATMUL: constexpr,
+):  # fmt: skip
+    """A key block goes to the exact pass where the forward's exact pass flagged a key tile (FLAG_BLOCK keys) that
+    holds any of its keys, and to the first pass otherwise."""
+    pid_n, slab, run_head = program_ids(num_keys, head_start, run_heads, num_heads, BLOCK_N, False)
+    KeyTiles += slab * tl.cdiv(num_keys, FLAG_BLOCK)
+    if forward_flagged(KeyTiles, pid_n * BLOCK_N, num_keys, BLOCK_N, FLAG_BLOCK) != EXACT:
+        return
+    use_high, exponent = head_exponent(run_head, high_heads, exponent_low, exponent_high)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    V += slab * num_keys * VALUE_DIM
+    SqNorms += slab * num_keys
+    key_keep_row = KeyKeep + (slab // num_heads) * num_keys
+    k = load_rows(K + slab * num_keys * HEAD_DIM, cols, num_keys, HEAD_DIM, BLOCK_D)  # [BN, BD]
+    values = load_rows(V, cols, num_keys, VALUE_DIM, BLOCK_DV)  # [BN, BDV]
+    sq_keys_eps = load_vector(SqNorms, cols, num_keys, 0.0) + eps  # [BN]
+    docs, span = fixed_documents(Documents, slab, num_heads, cols, num_keys, HAS_DOCUMENTS)
+    keys = (cols, k, values, sq_keys_eps, close_bounds(sq_keys_eps, eps, 1))
+    queries = (slab, Q, V, SqNorms, GradOut, Lse, Delta, OwnDot, (key_keep_row, docs))
+    sizes = (num_queries, num_keys)
+    plain, masked = query_loop_bounds(pid_n, num_queries, num_keys, span, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_KEY_MASK)
+    if POWER_LOW == POWER_HIGH:
+        grad_k, grad_v, grad_dist_sum = _dkdv_loop(
+            keys, queries, (scale_log2, exponent, eps), sizes, plain, masked, HEAD_DIM=HEAD_DIM, VALUE_DIM=VALUE_DIM,
+            BLOCK_M=BLOCK_M, POWER=POWER_LOW, IS_CAUSAL=IS_CAUSAL, HAS_KEY_MASK=HAS_KEY_MASK,
+            HAS_DOCUMENTS=HAS_DOCUMENTS, EULER=EULER, EXACT=EXACT, SUMS_BY_MATMUL=SUMS_BY_MATMUL,
+        )  # fmt: skip
+    elif use_high:
+        grad_k, grad_v, grad_dist_sum = _dkdv_loop(
+            keys, queries, (scale_log2, exponent, eps), sizes, plain, masked, HEAD_DIM=HEAD_DIM, VALUE_DIM=VALUE_DIM,
+            BLOCK_M=BLOCK_M, POWER=POWER_HIGH, IS_CAUSAL=IS_CAUSAL, HAS_KEY_MASK=HAS_KEY_MASK,
+            HAS_DOCUMENTS=HAS_DOCUMENTS, EULER=EULER, EXACT=EXACT, SUMS_BY_MATMUL=SUMS_BY_MATMUL,
+        )  # fmt: skip
+    else:
+        grad_k, grad_v, grad_dist_sum = _dkdv_loop(
+            keys, queries, (scale_log2, exponent, eps), sizes, plain, masked, HEAD_DIM=HEAD_DIM, VALUE_DIM=VALUE_DIM,
+            BLOCK_M=BLOCK_M, POWER=POWER_LOW, IS_CAUSAL=IS_CAUSAL, HAS_KEY_MASK=HAS_KEY_MASK,
+            HAS_DOCUMENTS=HAS_DOCUMENTS, EULER=EULER, EXACT=EXACT, SUMS_BY_MATMUL=SUMS_BY_MATMUL,
+        )  # fmt: skip
+
+    grad_v -= row_sums(grad_dist_sum)[:, None] * values.to(tl.float32)
+    # The dq kernel, launched before, left each query's own-value part in float32 (the keys at or after the offset
+    # are queries' values); dv is stored once, in the values' dtype.
+    offset = num_keys - num_queries
+    own_ptrs, col_in = row_ptrs(GradVOwn + slab * num_queries * VALUE_DIM, cols - offset, VALUE_DIM, BLOCK_DV)
+    grad_v += tl.load(own_ptrs, mask=((cols >= offset) & (cols < num_keys))[:, None] & col_in, other=0.0)
+    store_rows(GradK + slab * num_keys * HEAD_DIM, cols, num_keys, grad_k * (scale_log2 * LN_2), HEAD_DIM)
+    store_rows(GradV + slab * num_keys * VALUE_DIM, cols, num_keys, grad_v, VALUE_DIM)
+
+
+# ------------------------------------------------------------------------------------------------ dQ
+
+
+@jit
+def _dq_tile(grad_q, grad_v_own, grad_dist_sum, queries, keys, head, sizes, start, HEAD_DIM: constexpr,
+             VALUE_DIM: constexpr, BLOCK_N: constexpr, POWER: constexpr, MASKED: constexpr, IS_CAUSAL: constexpr,
+             HAS_KEY_MASK: constexpr, HAS_DOCUMENTS: constexpr, EULER: constexpr, EXACT: constexpr,
+             SUMS_BY_MATMUL: constexpr):  # fmt: skip
+    """dQ, the query side of dV and the distance gradient's row sums after the key tile at ``start``."""
+    rows, q, v_query_m2, sq_query_eps, bounds, grad_out, row_stats = queries
+    K, V, SqNorms, masks = keys
+    num_keys = sizes[1]
+    cols = start + tl.arange(0, BLOCK_N)  # [BN]
+    k = load_rows(K, cols, num_keys, HEAD_DIM, q.shape[1], MASKED)  # [BN, BD]
+    values = load_rows(V, cols, num_keys, VALUE_DIM, grad_out.shape[1], MASKED)  # [BN, BDV]
+    sq_keys = load_vector(SqNorms, cols, num_keys, 0.0, MASKED)  # [BN]
+    weights, grad_scores, grad_dist = _tile_grads(
+        q, k, (v_query_m2, sq_query_eps), (values, sq_keys), bounds, grad_out, row_stats, V, rows, cols, sizes, masks,
+        head, VALUE_DIM=VALUE_DIM, POWER=POWER, MASKED=MASKED, IS_CAUSAL=IS_CAUSAL, HAS_KEY_MASK=HAS_KEY_MASK,
+        HAS_DOCUMENTS=HAS_DOCUMENTS, EULER=EULER, QUERY_AXIS=0, EXACT=EXACT,
+    )  # [BM, BN] each  # fmt: skip
+    grad_q += tl.dot(grad_scores.to(k.dtype), k, input_precision=FLOAT32_DOT)
+    grad_v_own, grad_dist_sum = exact_dot(grad_dist, values, grad_v_own, grad_dist_sum, EXACT, SUMS_BY_MATMUL)
+    return grad_q, grad_v_own, grad_dist_sum
+
+
+@jit
+def _dq_loop(queries, keys, head, sizes, plain, masked, HEAD_DIM: constexpr, VALUE_DIM: constexpr,
+             BLOCK_N: constexpr, POWER: constexpr, IS_CAUSAL: constexpr, HAS_KEY_MASK: constexpr,
+             HAS_DOCUMENTS: constexpr, EULER: constexpr, EXACT: constexpr, SUMS_BY_MATMUL: constexpr):  # fmt: skip
+    """The plain key tiles, then the masked ones (``key_loop_bounds``), with one power class: (dQ, the query side of
+    dV without its v_x term, the distance gradient's row sums)."""
+    rows, q, grad_out = queries[0], queries[1], queries[5]
+    grad_q = tl.zeros([rows.shape[0], q.shape[1]], tl.float32)  # [BM, BD]
+    grad_v_own = tl.zeros([rows.shape[0], grad_out.shape[1]], tl.float32)  # [BM, BDV], query side of the distances
+    grad_dist_sum = row_sums_init(rows.shape[0], keys[1].dtype.element_ty, SUMS_BY_MATMUL)
+    for phase in tl.static_range(2):
+        tiles = plain if phase == 0 else masked
+        for index in range(0, tiles[0]):
+            grad_q, grad_v_own, grad_dist_sum = _dq_tile(
+                grad_q, grad_v_own, grad_dist_sum, queries, keys, head, sizes, tile_start(index, tiles, BLOCK_N),
+                HEAD_DIM=HEAD_DIM, VALUE_DIM=VALUE_DIM, BLOCK_N=BLOCK_N, POWER=POWER, MASKED=phase == 1,
+                IS_CAUSAL=IS_CAUSAL, HAS_KEY_MASK=HAS_KEY_MASK, HAS_DOCUMENTS=HAS_DOCUMENTS, EULER=EULER, EXACT=EXACT,
+                SUMS_BY_MATMUL=SUMS_BY_MATMUL,
+            )  # fmt: skip
+    return grad_q, grad_v_own, grad_dist_sum
+
+
+@jit(do_not_specialize=["high_heads"])
+def plap_dq_kernel(
+    Q, K, V, SqNorms, KeyKeep, Documents, GradOut, Lse, Delta, OwnDot, Out, OwnWeight, GradQ, GradVOwn, QueryBlocks,
+    head_start, run_heads, num_heads, num_queries, num_keys, scale_log2, exponent_low, exponent_high,
+    high_heads, eps,
+    HEAD_DIM: constexpr, VALUE_DIM: constexpr, BLOCK_D: constexpr, BLOCK_DV: constexpr, BLOCK_M: constexpr,
+    BLOCK_N: constexpr, POWER_LOW: constexpr, POWER_HIGH: constexpr, IS_CAUSAL: constexpr, HAS_KEY_MASK: constexpr,
+    HAS_DOCUMENTS: constexpr, EULER: constexpr, EXACT: constexpr, FLAG_BLOCK: constexpr, SUMS_BY_MATMUL: constexpr,
+):  # fmt: skip
+    """A query block goes to the exact pass where the forward flagged one of its query blocks (FLAG_BLOCK queries)
+    that holds any of this block's queries, and to the first pass otherwise."""
+    pid_m, slab, run_head = program_ids(num_queries, head_start, run_heads, num_heads, BLOCK_M, IS_CAUSAL)
+    QueryBlocks += slab * tl.cdiv(num_queries, FLAG_BLOCK)
+    if forward_flagged(QueryBlocks, pid_m * BLOCK_M, num_queries, BLOCK_M, FLAG_BLOCK) != EXACT:
+        return
+    use_high, exponent = head_exponent(run_head, high_heads, exponent_low, exponent_high)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
+    K += slab * num_keys * HEAD_DIM
+    V += slab * num_keys * VALUE_DIM
+    SqNorms += slab * num_keys
+    key_keep_row = KeyKeep + (slab // num_heads) * num_keys
+    q = load_rows(Q + slab * num_queries * HEAD_DIM, rows, num_queries, HEAD_DIM, BLOCK_D)  # [BM, BD]
+    v_query, sq_query, grad_out, lse, _, _ = _query_side(
+        slab, rows, V, SqNorms, GradOut, Lse, Delta, OwnDot, num_queries, num_keys, VALUE_DIM=VALUE_DIM,
+        BLOCK_DV=BLOCK_DV, LOAD_STATS=False, CHECK_ROWS=True,
+    )  # fmt: skip
+    v_query_m2 = times_minus_two(v_query)
+    sq_query_eps = sq_query + eps
+    bounds = close_bounds(sq_query_eps, eps, 0)
+    delta, own_dot = _row_stats(Out, Delta, OwnDot, slab, rows, grad_out, v_query, num_queries, VALUE_DIM, EULER)
+    docs, span = fixed_documents(Documents, slab, num_heads, rows, num_keys, HAS_DOCUMENTS)
+    queries = (rows, q, v_query_m2, sq_query_eps, bounds, grad_out, (lse, delta, own_dot))
+    keys = (K, V, SqNorms, (key_keep_row, docs))
+    sizes = (num_queries, num_keys)
+    plain, masked = key_loop_bounds(pid_m, num_queries, num_keys, span, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_KEY_MASK)
+    if POWER_LOW == POWER_HIGH:
+        grad_q, grad_v_own, grad_dist_sum = _dq_loop(
+            queries, keys, (scale_log2, exponent, eps), sizes, plain, masked, HEAD_DIM=HEAD_DIM, VALUE_DIM=VALUE_DIM,
+            BLOCK_N=BLOCK_N, POWER=POWER_LOW, IS_CAUSAL=IS_CAUSAL, HAS_KEY_MASK=HAS_KEY_MASK,
+            HAS_DOCUMENTS=HAS_DOCUMENTS, EULER=EULER, EXACT=EXACT, SUMS_BY_MATMUL=SUMS_BY_MATMUL,
+        )  # fmt: skip
+    elif use_high:
+        grad_q, grad_v_own, grad_dist_sum = _dq_loop(
+            queries, keys, (scale_log2, exponent, eps), sizes, plain, masked, HEAD_DIM=HEAD_DIM, VALUE_DIM=VALUE_DIM,
+            BLOCK_N=BLOCK_N, POWER=POWER_HIGH, IS_CAUSAL=IS_CAUSAL, HAS_KEY_MASK=HAS_KEY_MASK,
+            HAS_DOCUMENTS=HAS_DOCUMENTS, EULER=EULER, EXACT=EXACT, SUMS_BY_MATMUL=SUMS_BY_MATMUL,
+        )  # fmt: skip
+    else:
+        grad_q, grad_v_own, grad_dist_sum = _dq_loop(
+            queries, keys, (scale_log2, exponent, eps), sizes, plain, masked, HEAD_DIM=HEAD_DIM, VALUE_DIM=VALUE_DIM,
+            BLOCK_N=BLOCK_N, POWER=POWER_LOW, IS_CAUSAL=IS_CAUSAL, HAS_KEY_MASK=HAS_KEY_MASK,
+            HAS_DOCUMENTS=HAS_DOCUMENTS, EULER=EULER, EXACT=EXACT, SUMS_BY_MATMUL=SUMS_BY_MATMUL,
+        )  # fmt: skip
+
+    store_rows(GradQ + slab * num_queries * HEAD_DIM, rows, num_queries, grad_q * (scale_log2 * LN_2), HEAD_DIM)
+    # dv_x += 2 sum_y dL/dD2 (v_x - v_y), plus for euler the direct dU_x (1 - rowsum W_off).
+    grad_v_own -= row_sums(grad_dist_sum)[:, None] * v_query.to(tl.float32)
+    if EULER:
+        own_weight = tl.load(OwnWeight + slab * num_queries + rows, mask=rows < num_queries, other=0.0)
+        grad_v_own += own_weight[:, None] * grad_out.to(tl.float32)
+    store_rows(GradVOwn + slab * num_queries * VALUE_DIM, rows, num_queries, grad_v_own, VALUE_DIM)

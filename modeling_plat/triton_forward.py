@@ -1,0 +1,155 @@
+"""The fused forward kernel of p-Laplacian attention, FlashAttention-2 style.
+
+One program per (query block, batch * head) loops over key tiles with an online softmax (running max and sum in
+float32): the numerator accumulates exp(s - m) * P @ V, the denominator exp(s - m) alone, since softmax is normalised
+before the multiplication by P. Scores are in log2 units (one exp2 each, log2(e) / sqrt(d) folded into the scale); D2
++ eps comes from the values' squared norms, computed once per call, and the matmul -2 v_x.v_y; P = (D2 + eps) ** ((p -
+2) / 2) in float32 (``power``). Saves the output, the row logsumexp (base 2) and, for euler, 1 - rowsum(W_off).
+
+The kernel runs twice over its grid (``EXACT``): a first pass with the distances' expansion alone, then an exact pass
+over the blocks where it met close pairs of values (``distances``), which also flags the key tiles where it met them,
+for the backward.
+"""
+
+from .triton_tiles import (
+    FLOAT32_DOT, MIN_SCORE, any_set, close_bounds, distances, fixed_documents, head_exponent, jit, key_loop_bounds,
+    load_rows, load_vector, masked_scores, pair_dot, power, program_ids, store_rows, tile_start, times_minus_two, tl,
+)  # fmt: skip
+from .triton_tiles import constexpr as constexpr
+
+
+@jit
+def _forward_tile(row_max, row_sum, off_sum, acc, queries, keys, head, sizes, start, HEAD_DIM: constexpr,
+                  VALUE_DIM: constexpr, BLOCK_N: constexpr, POWER: constexpr, MASKED: constexpr, IS_CAUSAL: constexpr,
+                  HAS_KEY_MASK: constexpr, HAS_DOCUMENTS: constexpr, EULER: constexpr, EXACT: constexpr):  # fmt: skip
+    """The online softmax's state after the key tile at ``start``, and which of the block's queries met close pairs
+    in it (the exact pass flags its key tile for the backward)."""
+    rows, q, v_query_m2, sq_query_eps, bounds = queries
+    K, V, SqNorms, KeyTiles, key_keep_row, docs = keys
+    scale_log2, exponent, eps = head
+    num_queries, num_keys = sizes
+    cols = start + tl.arange(0, BLOCK_N)  # [BN]
+    k = load_rows(K, cols, num_keys, HEAD_DIM, q.shape[1], MASKED)  # [BN, BD]
+    values = load_rows(V, cols, num_keys, VALUE_DIM, acc.shape[1], MASKED)  # [BN, BDV]
+    sq_keys = load_vector(SqNorms, cols, num_keys, 0.0, MASKED)  # [BN]
+    # q.k unscaled: the scale (> 0) multiplies the row maxima, and joins each score's exp2 argument as one FMA.
+    scores = masked_scores(pair_dot(q, k, 0), rows, cols, sizes, (key_keep_row, docs), MASKED=MASKED,
+                           IS_CAUSAL=IS_CAUSAL, HAS_KEY_MASK=HAS_KEY_MASK, HAS_DOCUMENTS=HAS_DOCUMENTS,
+                           QUERY_AXIS=0)  # [BM, BN]  # fmt: skip
+    new_max = tl.maximum(row_max, tl.max(scores, 1) * scale_log2)  # [BM]
+    rescale = tl.exp2(row_max - new_max)
+    expo = tl.exp2(scores * scale_log2 - new_max[:, None])  # [BM, BN]
+    row_sum = row_sum * rescale + tl.sum(expo, 1)
+    dist_eps, is_self, has_close = distances((v_query_m2, sq_query_eps), (values, sq_keys), bounds, V, rows, cols,
+                                             num_keys, num_keys - num_queries, eps, VALUE_DIM=VALUE_DIM, MASKED=MASKED,
+                                             QUERY_AXIS=0, EXACT=EXACT)  # [BM, BN], [BM, BN], [BM]  # fmt: skip
+    if EXACT:
+        if any_set(has_close):
+            tl.store(KeyTiles + start // BLOCK_N, 1)
+    weights = expo * power(dist_eps, exponent, POWER)[0]  # [BM, BN]
+    if EULER:
+        if MASKED:
+            weights = tl.where(is_self, 0.0, weights)
+        off_sum = off_sum * rescale + tl.sum(weights, 1)
+    acc = acc * rescale[:, None] + tl.dot(weights.to(values.dtype), values, input_precision=FLOAT32_DOT)
+    return new_max, row_sum, off_sum, acc, has_close
+
+
+@jit
+def _forward_loop(queries, keys, head, sizes, plain, masked, HEAD_DIM: constexpr, VALUE_DIM: constexpr,
+                  BLOCK_DV: constexpr, BLOCK_N: constexpr, POWER: constexpr, IS_CAUSAL: constexpr,
+                  HAS_KEY_MASK: constexpr, HAS_DOCUMENTS: constexpr, EULER: constexpr, EXACT: constexpr):  # fmt: skip
+    """The online softmax over the plain tiles, then the masked ones (``key_loop_bounds``), with one power class:
+    (row max, row sum, euler's off-diagonal sum, numerator, whether each query met close pairs)."""
+    rows = queries[0]
+    row_max = tl.full(rows.shape, MIN_SCORE, tl.float32)  # [BM]
+    row_sum = tl.zeros(rows.shape, tl.float32)
+    off_sum = tl.zeros(rows.shape, tl.float32)  # rowsum(W_off) * running normaliser, euler only
+    acc = tl.zeros([rows.shape[0], BLOCK_DV], tl.float32)  # [BM, BDV]
+    has_close = tl.zeros(rows.shape, tl.int32)  # per query: whether its tiles had close pairs
+    for phase in tl.static_range(2):
+        tiles = plain if phase == 0 else masked
+        for index in range(0, tiles[0]):
+            row_max, row_sum, off_sum, acc, close = _forward_tile(
+                row_max, row_sum, off_sum, acc, queries, keys, head, sizes, tile_start(index, tiles, BLOCK_N),
+                HEAD_DIM=HEAD_DIM, VALUE_DIM=VALUE_DIM, BLOCK_N=BLOCK_N, POWER=POWER, MASKED=phase == 1,
+                IS_CAUSAL=IS_CAUSAL, HAS_KEY_MASK=HAS_KEY_MASK, HAS_DOCUMENTS=HAS_DOCUMENTS, EULER=EULER, EXACT=EXACT,
+            )  # fmt: skip
+            has_close |= close
+    return row_max, row_sum, off_sum, acc, has_close
+
+
+@jit(do_not_specialize=["high_heads"])  # a bit mask, not a size: one compilation serves every layout of p
+def plap_forward_kernel(
+    Q, K, V, SqNorms, KeyKeep, Documents, Out, Lse, OwnWeight, ExactBlocks, KeyTiles,
+    head_start, run_heads, num_heads, num_queries, num_keys, scale_log2, exponent_low, exponent_high,
+    high_heads, eps,
+    HEAD_DIM: constexpr, VALUE_DIM: constexpr, BLOCK_D: constexpr, BLOCK_DV: constexpr, BLOCK_M: constexpr,
+    BLOCK_N: constexpr, POWER_LOW: constexpr, POWER_HIGH: constexpr, IS_CAUSAL: constexpr, HAS_KEY_MASK: constexpr,
+    HAS_DOCUMENTS: constexpr, EULER: constexpr, EXACT: constexpr,
+):  # fmt: skip
+    """The first pass (EXACT false) computes D2 + eps by the expansion alone; a block with a close pair in any tile
+    stores nothing but its flag in ExactBlocks (int32 per block, written by every program). The exact pass (EXACT)
+    redoes the flagged blocks with the close pairs' direct differences, and sets KeyTiles (int32 per key tile of
+    BLOCK_N, zero before) where a tile had some; the others leave at once. The exact path's code and registers stay
+    out of the first pass, which fits more blocks per SM. (A flagged block's first-pass values may be inf or NaN where
+    the expansion went to zero or below: never stored.) The launch's heads take two p at most (bit h of ``high_heads``
+    marks the second's): each loop is compiled once per power class, and a program runs its head's."""
+    pid_m, slab, run_head = program_ids(num_queries, head_start, run_heads, num_heads, BLOCK_M, IS_CAUSAL)
+    exact_block = ExactBlocks + slab * tl.cdiv(num_queries, BLOCK_M) + pid_m
+    if EXACT:
+        if tl.load(exact_block) == 0:  # not flagged: leave before loading anything (the pass's grid is the first's)
+            return
+    use_high, exponent = head_exponent(run_head, high_heads, exponent_low, exponent_high)
+    offset = num_keys - num_queries  # query i is the token at key position offset + i
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
+    K += slab * num_keys * HEAD_DIM
+    V += slab * num_keys * VALUE_DIM
+    SqNorms += slab * num_keys
+    KeyTiles += slab * tl.cdiv(num_keys, BLOCK_N)
+    stats = slab * num_queries  # Lse and OwnWeight are (B, H, Nq)
+    q = load_rows(Q + slab * num_queries * HEAD_DIM, rows, num_queries, HEAD_DIM, BLOCK_D)  # [BM, BD]
+    v_query = load_rows(V, rows + offset, num_keys, VALUE_DIM, BLOCK_DV)  # [BM, BDV]
+    sq_query_eps = load_vector(SqNorms + offset, rows, num_queries, 0.0) + eps  # [BM]
+    docs, span = fixed_documents(Documents, slab, num_heads, rows, num_keys, HAS_DOCUMENTS)
+    queries = (rows, q, times_minus_two(v_query), sq_query_eps, close_bounds(sq_query_eps, eps, 0))
+    keys = (K, V, SqNorms, KeyTiles, KeyKeep + (slab // num_heads) * num_keys, docs)
+    sizes = (num_queries, num_keys)
+    plain, masked = key_loop_bounds(pid_m, num_queries, num_keys, span, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_KEY_MASK)
+    if POWER_LOW == POWER_HIGH:
+        row_max, row_sum, off_sum, acc, has_close = _forward_loop(
+            queries, keys, (scale_log2, exponent, eps), sizes, plain, masked, HEAD_DIM=HEAD_DIM, VALUE_DIM=VALUE_DIM,
+            BLOCK_DV=BLOCK_DV, BLOCK_N=BLOCK_N, POWER=POWER_LOW, IS_CAUSAL=IS_CAUSAL, HAS_KEY_MASK=HAS_KEY_MASK,
+            HAS_DOCUMENTS=HAS_DOCUMENTS, EULER=EULER, EXACT=EXACT,
+        )  # fmt: skip
+    elif use_high:
+        row_max, row_sum, off_sum, acc, has_close = _forward_loop(
+            queries, keys, (scale_log2, exponent, eps), sizes, plain, masked, HEAD_DIM=HEAD_DIM, VALUE_DIM=VALUE_DIM,
+            BLOCK_DV=BLOCK_DV, BLOCK_N=BLOCK_N, POWER=POWER_HIGH, IS_CAUSAL=IS_CAUSAL, HAS_KEY_MASK=HAS_KEY_MASK,
+            HAS_DOCUMENTS=HAS_DOCUMENTS, EULER=EULER, EXACT=EXACT,
+        )  # fmt: skip
+    else:
+        row_max, row_sum, off_sum, acc, has_close = _forward_loop(
+            queries, keys, (scale_log2, exponent, eps), sizes, plain, masked, HEAD_DIM=HEAD_DIM, VALUE_DIM=VALUE_DIM,
+            BLOCK_DV=BLOCK_DV, BLOCK_N=BLOCK_N, POWER=POWER_LOW, IS_CAUSAL=IS_CAUSAL, HAS_KEY_MASK=HAS_KEY_MASK,
+            HAS_DOCUMENTS=HAS_DOCUMENTS, EULER=EULER, EXACT=EXACT,
+        )  # fmt: skip
+
+    if EXACT:
+        stored_rows = num_queries
+    else:  # a block with close pairs stores only its flag, for the exact pass
+        has_close = tl.max(has_close)
+        tl.store(exact_block, has_close)
+        stored_rows = tl.where(has_close != 0, 0, num_queries)
+    row_in = rows < stored_rows
+    valid = row_sum > 0  # at least one allowed key; fully masked rows output zeros
+    inv_sum = 1.0 / tl.where(valid, row_sum, 1.0)
+    out = acc * inv_sum[:, None]  # [BM, BDV]
+    if EULER:
+        own_weight = tl.where(valid, 1.0 - off_sum * inv_sum, 0.0)  # u_x = v_x (1 - rowsum W_off) + W_off V
+        out += own_weight[:, None] * v_query.to(tl.float32)
+        tl.store(OwnWeight + stats + rows, own_weight, mask=row_in)
+    store_rows(Out + slab * num_queries * VALUE_DIM, rows, stored_rows, out, VALUE_DIM)
+    # In log2 units; +inf on fully masked rows makes the backward's exp2(s - lse) exactly 0 there.
+    lse = row_max + tl.log2(tl.where(valid, row_sum, 1.0))
+    tl.store(Lse + stats + rows, tl.where(valid, lse, float("inf")), mask=row_in)

@@ -1,0 +1,494 @@
+"""What the fused kernels share (``triton_forward``, ``triton_backward``): program ids, loads, the p-Laplacian power,
+the distances and their close pairs, masks, the loops' bounds and the exact passes' flags.
+
+Tiles pair queries with keys. The forward and dQ kernels hold a block of queries fixed and see tiles as
+(queries, keys), ``QUERY_AXIS = 0``; dK/dV holds a block of keys and sees (keys, queries), ``QUERY_AXIS = 1``, so that
+each kernel's fixed block is the left operand of its matmuls: split over the warps, not repeated in every warp as a
+right operand is. Shapes in comments: BM and BN are the tile's queries and keys, BF and BL the fixed block's rows and
+the loop tile's, BD and BDV the padded head sizes of queries/keys and of values.
+
+``import triton`` sits in try/except so that the package imports without Triton (remote code scans the imports); the
+kernels are then never launched. On CPU they run under the Triton interpreter when TRITON_INTERPRET=1 is set before
+import.
+"""
+
+import math
+
+from .plap_attention_reference import CLOSE_PAIR as _CLOSE_PAIR
+from .plap_attention_reference import COINCIDING as _COINCIDING
+
+try:
+    import triton
+    import triton.language as tl
+
+    jit = triton.jit
+    constexpr = tl.constexpr
+except ImportError:
+    triton = tl = None
+
+    def jit(fn=None, **options):
+        return fn if fn is not None else (lambda function: function)
+
+    def constexpr(value):  # annotations and constants below; nothing is compiled without Triton
+        return value
+
+
+# Precision of every matmul with float32 operands: TF32 alone keeps 10 mantissa bits, too few for distances.
+FLOAT32_DOT = constexpr("tf32x3")
+# Keeps the sign, the exponent and the 10 mantissa bits of TF32 of a float32.
+TF32_MASK = constexpr(0xFFFFE000)
+# Keeps the sign, the exponent and the 7 mantissa bits of a bfloat16.
+BFLOAT16_MASK = constexpr(0xFFFF0000)
+LN_2 = constexpr(math.log(2))
+# Row max start: finite, so that rows with no allowed key so far give exp(-inf - MIN) = 0, never NaN.
+MIN_SCORE = constexpr(-1.0e38)
+# Columns of the tile of ones against which the distance gradient's bfloat16 parts give their row sums (a matmul's
+# smallest width).
+SUM_COLUMNS = constexpr(16)
+# The reference's rules for close and coinciding pairs, as constants a compiled kernel can read.
+CLOSE_PAIR = constexpr(_CLOSE_PAIR)
+COINCIDING = constexpr(_COINCIDING)
+
+
+@jit
+def _probe():
+    pass
+
+
+# Under the interpreter triton.jit returns interpreted functions instead of JITFunctions.
+INTERPRETED = triton is not None and not isinstance(_probe, triton.runtime.JITFunction)
+# The interpreter cannot run inline PTX: it takes numpy's logarithm instead of the MUFU one.
+HARDWARE_LOG2 = constexpr(not INTERPRETED)
+# Exponent classes of (D2 + eps) ** ((p - 2) / 2): any p through log2 and exp2, or p = 1.5 and 2.5 (the paper's) as
+# square-root chains, two special-function operations instead of three. Each loop is compiled for one class.
+POWER_ANY, POWER_MINUS_QUARTER, POWER_QUARTER = constexpr(0), constexpr(1), constexpr(2)
+POWER_CLASSES = {1.5: 1, 2.5: 2}  # p -> POWER; any other p: POWER_ANY
+
+
+# ------------------------------------------------------------------------------------------------ programs and loads
+
+
+@jit
+def program_ids(num_rows, head_start, run_heads, num_heads, BLOCK: constexpr, HEAVY_LAST: constexpr):
+    """(row block, batch * H + head, head - head_start) of this program, for a run of heads head_start ... +
+    run_heads. The grid is 1-D (CUDA caps axes 1 and 2 at 65535) and starts the longest loops first: a GPU starts
+    programs in grid order, so that the short ones fill the last wave. The slabs (batch, head) vary fastest, and the row
+    blocks go from the heaviest to the lightest: the last first where the loops grow with the block (HEAVY_LAST: query
+    blocks under causal masking), else the first. The slab index is int64, as B * H * N * d may pass 2^31."""
+    pid = tl.program_id(0)
+    num_blocks = tl.cdiv(num_rows, BLOCK)
+    slabs = tl.num_programs(0) // num_blocks
+    block = pid // slabs
+    if HEAVY_LAST:
+        block = num_blocks - 1 - block
+    slab = pid % slabs
+    run_head = slab % run_heads
+    return block, (slab // run_heads).to(tl.int64) * num_heads + head_start + run_head, run_head
+
+
+@jit
+def head_exponent(run_head, high_heads, exponent_low, exponent_high):
+    """(whether this program's head takes the launch's second p, its exponent (p - 2) / 2): bit ``run_head`` of
+    ``high_heads`` is set for the heads of the second p."""
+    use_high = ((high_heads >> run_head) & 1) != 0
+    return use_high, tl.where(use_high, exponent_high, exponent_low)
+
+
+@jit
+def row_ptrs(ptr, rows, COLS: constexpr, BLOCK_COLS: constexpr):
+    """Pointers and mask of rows of a contiguous (rows, COLS) matrix, padded to BLOCK_COLS columns."""
+    cols = tl.arange(0, BLOCK_COLS)
+    return ptr + rows[:, None] * COLS + cols[None, :], cols[None, :] < COLS
+
+
+@jit
+def load_rows(ptr, rows, num_rows, COLS: constexpr, BLOCK_COLS: constexpr, CHECK_ROWS: constexpr = True):
+    """(len(rows), BLOCK_COLS) tile of a contiguous (num_rows, COLS) matrix; zeros outside it. A plain tile's rows are
+    all inside (CHECK_ROWS false): its loads skip the per-row predicates, which cost a loop iteration instructions."""
+    ptrs, col_in = row_ptrs(ptr, rows, COLS, BLOCK_COLS)
+    if CHECK_ROWS:
+        tile = tl.load(ptrs, mask=(rows[:, None] < num_rows) & col_in, other=0.0)
+    elif COLS == BLOCK_COLS:
+        tile = tl.load(ptrs)
+    else:
+        tile = tl.load(ptrs, mask=col_in, other=0.0)
+    return tile
+
+
+@jit
+def load_vector(ptr, index, size, other, CHECK: constexpr = True):
+    """ptr[index], ``other`` where index >= size (CHECK false: every index is inside)."""
+    if CHECK:
+        vector = tl.load(ptr + index, mask=index < size, other=other)
+    else:
+        vector = tl.load(ptr + index)
+    return vector
+
+
+@jit
+def store_rows(ptr, rows, num_rows, tile, COLS: constexpr):
+    """Stores the rows of ``tile`` that lie inside a contiguous (num_rows, COLS) matrix, in its dtype."""
+    ptrs, col_in = row_ptrs(ptr, rows, COLS, tile.shape[1])
+    tl.store(ptrs, tile.to(ptr.dtype.element_ty), mask=(rows[:, None] < num_rows) & col_in)
+
+
+
+# ------------------------------------------------------------------------------------------------ the power
+
+
+@jit
+def _log2(x):
+    if HARDWARE_LOG2:  # MUFU.LG2; tl.log2 is libdevice's software logarithm, ~30 instructions
+        return tl.inline_asm_elementwise("lg2.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
+                                         pack=1)  # fmt: skip
+    else:
+        return tl.log2(x)
+
+
+@jit
+def _reciprocal(x):
+    if HARDWARE_LOG2:  # MUFU.RCP; 1 / x is a correctly rounded division, about 8 instructions
+        return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
+                                         pack=1)  # fmt: skip
+    else:
+        return 1.0 / x
+
+
+@jit
+def power(dist_eps, exponent, POWER: constexpr):
+    """P = dist_eps ** exponent and 1 / dist_eps, with approximate special functions (relative error ~2^-22). The
+    paper's classes take square roots: rsqrt then sqrt for -1/4 (1 / dist_eps its square), two sqrt for 1/4 and a
+    reciprocal (the forward, which needs no 1 / dist_eps, drops it unused)."""
+    if POWER == POWER_ANY:
+        log = _log2(dist_eps)
+        return tl.exp2(exponent * log), tl.exp2(-log)
+    elif POWER == POWER_MINUS_QUARTER:
+        rsqrt = tl.rsqrt(dist_eps)
+        return tl.sqrt(rsqrt), rsqrt * rsqrt
+    else:
+        return tl.sqrt(tl.sqrt(dist_eps)), _reciprocal(dist_eps)
+
+
+@jit
+def class_exponent(exponent, POWER: constexpr):
+    """The exponent (p - 2) / 2, a compile-time constant where its class fixes it."""
+    if POWER == POWER_MINUS_QUARTER:
+        exponent = -0.25
+    elif POWER == POWER_QUARTER:
+        exponent = 0.25
+    return exponent
+
+
+# ------------------------------------------------------------------------------------------------ exact matmuls
+
+
+@jit
+def _split_high(x, MASK: constexpr):
+    """x with the low mantissa bits that MASK clears set to zero (exact in the narrower type that keeps the rest)."""
+    return (x.to(tl.uint32, bitcast=True) & MASK).to(tl.float32, bitcast=True)
+
+
+@jit
+def row_sums_init(rows: constexpr, values_dtype: constexpr, BY_MATMUL: constexpr):
+    """The zero accumulator of ``exact_dot``'s row sums: (rows, SUM_COLUMNS) where a matmul forms them, (rows,)
+    otherwise."""
+    if BY_MATMUL and values_dtype == tl.bfloat16:
+        sums = tl.zeros([rows, SUM_COLUMNS], tl.float32)
+    else:
+        sums = tl.zeros([rows], tl.float32)
+    return sums
+
+
+@jit
+def row_sums(sums):
+    """Each row's sum from ``exact_dot``'s accumulator (its columns are equal where it has several)."""
+    if len(sums.shape) == 2:
+        sums = tl.max(sums, 1)
+    return sums
+
+
+@jit
+def _part_dot(part, b, acc, sums, BY_MATMUL: constexpr):
+    """``exact_dot``'s matmul and row sums of one bfloat16 part."""
+    part = part.to(tl.bfloat16)
+    if BY_MATMUL:
+        sums = tl.dot(part, tl.full([part.shape[1], SUM_COLUMNS], 1.0, tl.bfloat16), sums)
+    else:
+        sums += tl.sum(part.to(tl.float32), 1)
+    return tl.dot(part, b, acc), sums
+
+
+@jit
+def exact_dot(a, b, acc, sums, EXACT: constexpr, SUMS_BY_MATMUL: constexpr):
+    """(acc + a @ b, sums + rowsum(a)) for a float32 ``a`` (a distance gradient) and half-precision ``b``, whose
+    products are exact: ``a`` alone is rounded or split. The caller forms rowsum(a) v_x - a V, whose terms cancel
+    where values are near: against bfloat16 the row sums come from the very parts the matmul takes (a matmul against
+    a tile of ones, ``row_sums_init``, or their float32 sums), so that the cancellation is exact and each term keeps
+    its parts' rounding. The first pass takes ``a`` rounded to bfloat16 (2^-9 of each term, as W^T dU has of W's
+    rounding): its blocks have no close pair. The exact pass splits it into three bfloat16 parts (24 bits, float32's)
+    for the close pairs' terms, which dominate dV where values nearly coincide. 16-bit operands keep the accumulator's
+    register layout, so that no part is shuffled to another. Against float16, whose range cannot hold ``a``, two TF32
+    parts (not tf32x3's three) against float32 row sums."""
+    if b.dtype == tl.float32:
+        acc = tl.dot(a, b, acc, input_precision=FLOAT32_DOT)
+        sums += tl.sum(a, 1)
+    elif b.dtype == tl.bfloat16:
+        if EXACT:
+            a_high = _split_high(a, BFLOAT16_MASK)
+            a_mid = _split_high(a - a_high, BFLOAT16_MASK)
+            acc, sums = _part_dot(a - a_high - a_mid, b, acc, sums, SUMS_BY_MATMUL)  # the smallest part first
+            acc, sums = _part_dot(a_mid, b, acc, sums, SUMS_BY_MATMUL)
+            acc, sums = _part_dot(a_high, b, acc, sums, SUMS_BY_MATMUL)
+        else:
+            acc, sums = _part_dot(a, b, acc, sums, SUMS_BY_MATMUL)
+    else:
+        b = b.to(tl.float32)
+        a_high = _split_high(a, TF32_MASK)
+        acc = tl.dot(a_high, b, acc, input_precision="tf32")
+        acc = tl.dot(a - a_high, b, acc, input_precision="tf32")
+        sums += tl.sum(a, 1)
+    return acc, sums
+
+
+# ------------------------------------------------------------------------------------------------ tiles
+
+
+@jit
+def per_query(vector, QUERY_AXIS: constexpr):
+    """A vector over the queries of a tile, broadcastable against the tile."""
+    return tl.expand_dims(vector, 1 - QUERY_AXIS)
+
+
+@jit
+def per_key(vector, QUERY_AXIS: constexpr):
+    """A vector over the keys of a tile, broadcastable against the tile."""
+    return tl.expand_dims(vector, QUERY_AXIS)
+
+
+@jit
+def pair_dot(query_side, key_side, QUERY_AXIS: constexpr, acc=None):
+    """The tile of dot products of query-side rows [BM, d] with key-side rows [BN, d], added to ``acc`` if given."""
+    if QUERY_AXIS == 0:
+        tile = tl.dot(query_side, tl.trans(key_side), acc, input_precision=FLOAT32_DOT)
+    else:
+        tile = tl.dot(key_side, tl.trans(query_side), acc, input_precision=FLOAT32_DOT)
+    return tile
+
+
+@jit
+def fixed_documents(Documents, slab, num_heads, positions, num_keys, HAS_DOCUMENTS: constexpr):
+    """What the tiles of a kernel's fixed block need of packed documents: (the row of the document table,
+    the block's document ids, their smallest and largest id), and the span (first, end) of positions that
+    its tokens may pair with. Without documents, the span of the whole row."""
+    if HAS_DOCUMENTS:
+        row = Documents + (slab // num_heads) * num_keys * 3
+        inside = positions < num_keys
+        ids = tl.load(row + positions * 3, mask=inside, other=-1)  # [BF]
+        docs = (row, ids, tl.min(tl.where(inside, ids, num_keys)), tl.max(ids))
+        first = tl.min(tl.load(row + positions * 3 + 1, mask=inside, other=num_keys))
+        span = (first, tl.max(tl.load(row + positions * 3 + 2, mask=inside, other=0)))
+    else:
+        docs = (Documents, 0, 0, 0)
+        span = (0, num_keys)
+    return docs, span
+
+
+@jit
+def masked_scores(scores, rows, cols, sizes, masks, MASKED: constexpr, IS_CAUSAL: constexpr,
+                  HAS_KEY_MASK: constexpr, HAS_DOCUMENTS: constexpr, QUERY_AXIS: constexpr):  # fmt: skip
+    """-inf where query ``rows`` may not attend to key ``cols`` (out of range, causal, padding, another document);
+    tiles that the loop split proves whole and allowed (MASKED false) skip the test, and with documents they
+    compare ids only where the tile's tokens are not all of the fixed block's one document. ``sizes`` is
+    (num_queries, num_keys), ``masks`` (the key-padding row, ``fixed_documents``' docs)."""
+    num_queries, num_keys = sizes
+    key_keep_row, docs = masks
+    if HAS_DOCUMENTS:  # tiles are (fixed block, loop block); Nq == Nk
+        row, fixed_ids, fixed_low, fixed_high = docs
+        loop_positions = cols if QUERY_AXIS == 0 else rows
+        loop_ids = tl.load(row + loop_positions * 3, mask=loop_positions < num_keys, other=-1)
+        same_document = fixed_ids[:, None] == loop_ids[None, :]
+    if MASKED:
+        query_pos = per_query(rows, QUERY_AXIS)
+        key_pos = per_key(cols, QUERY_AXIS)
+        allowed = (query_pos < num_queries) & (key_pos < num_keys)
+        if IS_CAUSAL:
+            allowed = allowed & (key_pos <= query_pos + (num_keys - num_queries))
+        if HAS_KEY_MASK:
+            keep = tl.load(key_keep_row + cols, mask=cols < num_keys, other=0)
+            allowed = allowed & (per_key(keep, QUERY_AXIS) != 0)
+        if HAS_DOCUMENTS:
+            allowed = allowed & same_document
+        scores = tl.where(allowed, scores, float("-inf"))
+    elif HAS_DOCUMENTS:
+        # Every id equal: min(loop) = max(fixed) >= min(fixed) = max(loop) >= min(loop).
+        if (tl.min(loop_ids) != fixed_high) | (tl.max(loop_ids) != fixed_low):
+            scores = tl.where(same_document, scores, float("-inf"))
+    return scores
+
+
+# ------------------------------------------------------------------------------------------------ distances
+
+
+@jit
+def close_bounds(sq_fixed_eps, eps, QUERY_AXIS: constexpr):
+    """Per row of a kernel's fixed block, the distance (D2 + eps) at or below which a plain tile's row has a close pair.
+    Queries (forward, dq): the pair rule itself, CLOSE_PAIR (|v_x|^2 + eps) + eps. Keys (dkdv's exact pass): a wider
+    net computed once per program, 2 CLOSE_PAIR (|v_y|^2 + eps) + eps, which holds every pair that the rule calls close
+    (docs/numerics.md)."""
+    if QUERY_AXIS == 0:
+        bounds = sq_fixed_eps * CLOSE_PAIR + eps
+    else:
+        bounds = sq_fixed_eps * (2 * CLOSE_PAIR) + eps
+    return bounds
+
+
+@jit
+def times_minus_two(values):
+    """-2 values, exact in any float type: the query values that ``distances`` takes where queries are the fixed
+    block."""
+    return (values.to(tl.float32) * -2.0).to(values.dtype)
+
+
+@jit
+def any_set(flags):
+    return tl.max(flags) != 0
+
+
+@jit
+def distances(query_side, key_side, bounds, V, rows, cols, num_keys, offset, eps, VALUE_DIM: constexpr,
+              MASKED: constexpr, QUERY_AXIS: constexpr, EXACT: constexpr):  # fmt: skip
+    """D2 + eps of a tile from the squared norms and the values, the self-pair tile (all false where the loop split
+    excludes self pairs, MASKED false), and which rows of the tile (the fixed block's) have close pairs (int32 per row:
+    a loop accumulates them without reducing across warps in every tile). ``query_side`` and ``key_side`` are (values,
+    squared norms) of the tile's queries and keys; the fixed block's norms carry eps (added once per program, not in
+    the loop). Where queries are the fixed block (forward, dq) their values come as -2 v_x (``times_minus_two``), so
+    that the matmul accumulates -2 v_x.v_y onto the norms; dk/dv's fixed values also form G = dU V^T, so that it
+    scales the products instead. ``bounds`` are ``close_bounds``.
+
+    The expansion's rounding, a few u (|v_x|^2 + |v_y|^2), would decide P where values nearly coincide: a tile with
+    close pairs (CLOSE_PAIR) recomputes all its pairs by direct differences, one value coordinate at a time from
+    memory (no second tile and no mask stay live across that loop), and sets its coinciding pairs (COINCIDING) to
+    exactly eps. Self pairs are exactly eps without it, and pairs outside the inputs are masked: in the masked tiles
+    (the diagonal band, the partial ones) neither makes the tile recompute. Elsewhere the expansion is positive.
+    Without EXACT the tile keeps the expansion and only reports its close pairs (the forward's first pass reads them,
+    the backward's, whose blocks the forward has cleared, leave them unused)."""
+    v_query, sq_query = query_side
+    values, sq_keys = key_side
+    sq_sums = per_query(sq_query, QUERY_AXIS) + per_key(sq_keys, QUERY_AXIS)  # [BF, BL]
+    if QUERY_AXIS == 0:
+        dist_eps = pair_dot(v_query, values, QUERY_AXIS, sq_sums)
+    else:
+        dist_eps = sq_sums - 2 * pair_dot(v_query, values, QUERY_AXIS)
+    sq_query_eps = sq_query
+    if QUERY_AXIS == 1:
+        sq_query_eps += eps
+    is_self = per_key(cols, QUERY_AXIS) == per_query(rows, QUERY_AXIS) + offset
+    if MASKED:
+        inside = (per_query(rows, QUERY_AXIS) < num_keys - offset) & (per_key(cols, QUERY_AXIS) < num_keys)
+        close = dist_eps <= per_query(sq_query_eps * CLOSE_PAIR + eps, QUERY_AXIS)
+        close_rows = tl.max((close & inside & ~is_self).to(tl.int32), 1)  # [BF]
+    else:
+        # One comparison per row, not per pair: the row's nearest pair against the row's bound.
+        close_rows = (tl.min(dist_eps, 1) <= bounds).to(tl.int32)
+    if EXACT and any_set(close_rows):
+        query_in, key_in = rows < num_keys - offset, cols < num_keys
+        dist_eps = tl.zeros_like(dist_eps)
+        for dim in range(VALUE_DIM):
+            query_value = tl.load(V + (rows + offset) * VALUE_DIM + dim, mask=query_in, other=0.0).to(tl.float32)
+            key_value = tl.load(V + cols * VALUE_DIM + dim, mask=key_in, other=0.0).to(tl.float32)
+            diff = per_query(query_value, QUERY_AXIS) - per_key(key_value, QUERY_AXIS)
+            dist_eps += diff * diff
+        bound = COINCIDING * (sq_sums - eps)
+        dist_eps = tl.where(dist_eps <= bound, 0.0, dist_eps) + eps
+    if MASKED:
+        dist_eps = tl.where(is_self, eps, dist_eps)
+    return dist_eps, is_self & MASKED, close_rows
+
+
+# ------------------------------------------------------------------------------------------------ loops and passes
+
+
+@jit
+def _loop_split(begin, a, b, c, end, span, BLOCK: constexpr):
+    """The tiles of a loop over [begin, end) as two lists: plain tiles [begin, a) and [b, c), whose pairs are
+    all allowed (but for packed documents), in range and off the diagonal, and masked tiles [a, b) and
+    [max(b, c), end); tiles outside the span (first, end) of positions that the fixed block pairs with are
+    skipped. Each list is (count, count of its first range, first start, second start), read by
+    ``tile_start``; a, b and c are multiples of BLOCK from begin wherever a range follows them."""
+    low = tl.maximum(begin, begin + (span[0] - begin) // BLOCK * BLOCK)
+    high = begin + tl.cdiv(span[1] - begin, BLOCK) * BLOCK
+    begin, a, b, c = tl.maximum(begin, low), tl.maximum(a, low), tl.maximum(b, low), tl.maximum(c, low)
+    end = tl.minimum(end, high)
+    a_end, b_end, c_end = tl.minimum(a, high), tl.minimum(b, high), tl.minimum(c, high)
+    first_plain = tl.maximum(a_end - begin, 0) // BLOCK
+    plain = (first_plain + tl.maximum(c_end - b, 0) // BLOCK, first_plain, begin, b)
+    first_masked = tl.cdiv(tl.maximum(b_end - a, 0), BLOCK)
+    second = tl.maximum(b, c)
+    masked = (first_masked + tl.cdiv(tl.maximum(end - second, 0), BLOCK), first_masked, a, second)
+    return plain, masked
+
+
+@jit
+def tile_start(index, tiles, BLOCK: constexpr):
+    """The first position of tile ``index`` of a ``_loop_split`` list."""
+    first_count, first_start, second_start = tiles[1], tiles[2], tiles[3]
+    return tl.where(index < first_count, first_start + index * BLOCK, second_start + (index - first_count) * BLOCK)
+
+
+@jit
+def key_loop_bounds(pid_m, num_queries, num_keys, span, BLOCK_M: constexpr, BLOCK_N: constexpr,
+                    IS_CAUSAL: constexpr, HAS_KEY_MASK: constexpr):  # fmt: skip
+    """The plain and masked tiles of a query block's loop over key blocks (forward and dq)."""
+    offset = num_keys - num_queries
+    first_key = offset + pid_m * BLOCK_M  # the key position of the block's first query
+    full_end = num_keys // BLOCK_N * BLOCK_N
+    if IS_CAUSAL:
+        end = tl.minimum(num_keys, first_key + BLOCK_M)
+        a = tl.minimum(full_end, first_key // BLOCK_N * BLOCK_N)  # below the diagonal: no self pair either
+        b = end
+        c = end
+    else:
+        end = num_keys
+        a = tl.minimum(full_end, first_key // BLOCK_N * BLOCK_N)
+        b = tl.maximum(a, tl.minimum(end, tl.cdiv(tl.minimum(first_key + BLOCK_M, num_keys), BLOCK_N) * BLOCK_N))
+        c = full_end
+    if HAS_KEY_MASK:
+        a = 0
+        b = end
+        c = end
+    return _loop_split(0, a, b, c, end, span, BLOCK_N)
+
+
+@jit
+def query_loop_bounds(pid_n, num_queries, num_keys, span, BLOCK_M: constexpr, BLOCK_N: constexpr,
+                      IS_CAUSAL: constexpr, HAS_KEY_MASK: constexpr):  # fmt: skip
+    """The plain and masked tiles of a key block's loop over query blocks (dkdv)."""
+    offset = num_keys - num_queries
+    first_query = pid_n * BLOCK_N - offset  # the query at the block's first key position (may be < 0)
+    full_end = num_queries // BLOCK_M * BLOCK_M
+    begin = 0
+    if IS_CAUSAL:  # queries before the block's first key never see it
+        begin = tl.maximum(first_query, 0) // BLOCK_M * BLOCK_M
+        a = begin
+        b = tl.minimum(full_end, tl.cdiv(tl.maximum(first_query + BLOCK_N, 0), BLOCK_M) * BLOCK_M)
+        b = tl.maximum(b, begin)
+        c = full_end
+    else:
+        a = tl.minimum(full_end, tl.maximum(first_query, 0) // BLOCK_M * BLOCK_M)
+        band_end = tl.cdiv(tl.minimum(tl.maximum(first_query + BLOCK_N, 0), num_queries), BLOCK_M) * BLOCK_M
+        b = tl.maximum(a, tl.minimum(num_queries, band_end))
+        c = full_end
+    if HAS_KEY_MASK:
+        a = begin
+        b = num_queries
+        c = num_queries
+    return _loop_split(begin, a, b, c, num_queries, span, BLOCK_M)
+
+
+@jit
+def forward_flagged(Flags, first, size, SPAN: constexpr, FLAG_BLOCK: constexpr):
+    """Whether the forward flagged a block of FLAG_BLOCK positions that holds any of [first, first + SPAN) (below
+    ``size``): a backward program's own flag, its block's queries (dq) or keys (dk/dv) against the forward's query
+    blocks or key tiles."""
+    positions = first + tl.arange(0, SPAN)
+    return tl.max(tl.load(Flags + positions // FLAG_BLOCK, mask=positions < size, other=0)) != 0
