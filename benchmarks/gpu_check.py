@@ -212,6 +212,13 @@ def sweep_cases():
     ):
         cases.append(dict(kind="backend", backend=backend, dtype=dtype, head_dim=head_dim,
                           formulation=formulation, masked=masked, shape=shape))  # fmt: skip
+    # The sweep's small calls run each kernel's exact pass alone (ONE_PASS_PAIRS); large ones a first pass, then the
+    # exact pass of the flagged blocks: the same cases with both passes, the power's three classes among the heads.
+    for shape, masked, formulation, head_dim, dtype in itertools.product(
+        (SQUARE, KV_CACHE), (False, True), ("paper", "euler"), HEAD_DIMS, DTYPES
+    ):
+        cases.append(dict(kind="backend", backend="triton", dtype=dtype, head_dim=head_dim, formulation=formulation,
+                          masked=masked, shape=shape, two_passes=True))  # fmt: skip
     for backend, formulation in itertools.product(("eager", "tiled"), ("paper", "euler")):
         cases.append(dict(kind="tf32", backend=backend, dtype="float32", head_dim=64, formulation=formulation,
                           masked=True, shape=SQUARE))  # fmt: skip
@@ -221,6 +228,8 @@ def sweep_cases():
     ):
         cases.append(dict(kind=kind, backend=backend, dtype=dtype, head_dim=head_dim, formulation=formulation,
                           masked=masked, shape=SQUARE))  # fmt: skip
+        if backend == "triton":
+            cases.append(dict(cases[-1], two_passes=True))
     for model, dtype in itertools.product(CONVERSIONS, ("float32", "bfloat16")):
         cases.append(dict(kind="convert", model=model, dtype=dtype))
     return cases
@@ -231,8 +240,9 @@ def case_name(case):
         return f"convert/{case['model']}/{case['dtype']}"
     batch, heads, nq, nk = case["shape"]
     mask = ("causal" if case["kind"] == "packed" else "causal+padding") if case["masked"] else "nomask"
+    passes = "/two-passes" if case.get("two_passes") else ""
     return (f"{case['kind']}/{case['backend']}/{case['dtype']}/d{case['head_dim']}/{case['formulation']}/{mask}/"
-            f"nq{nq}-nk{nk}")  # fmt: skip
+            f"nq{nq}-nk{nk}{passes}")  # fmt: skip
 
 
 def document_ids(device):
@@ -327,6 +337,18 @@ def run_conversion(case, device):
                 bitwise_rerun=torch.equal(first, second))  # fmt: skip
 
 
+@contextlib.contextmanager
+def one_pass_pairs(limit):
+    """The Triton backend's ONE_PASS_PAIRS set to ``limit`` (None: left as it is)."""
+    triton_module = importlib.import_module("modeling_plat.plap_attention_triton")
+    original = triton_module.ONE_PASS_PAIRS
+    triton_module.ONE_PASS_PAIRS = original if limit is None else limit
+    try:
+        yield
+    finally:
+        triton_module.ONE_PASS_PAIRS = original
+
+
 def run_case(case, device):
     """Result of one sweep case: the backend that ran, relative errors and the rerun check, or a skip."""
     device = torch.device(device)
@@ -346,7 +368,7 @@ def run_case(case, device):
         return {name: relative_error(ours, ref)
                 for name, ours, ref in zip(("out", "dq", "dk", "dv"), results, reference)}
 
-    with tf32_matmuls(case["kind"] == "tf32"):
+    with tf32_matmuls(case["kind"] == "tf32"), one_pass_pairs(0 if case.get("two_passes") else None):
         first = outputs_and_gradients(inputs, p, kwargs, grad_out, case["backend"])
         second = outputs_and_gradients(inputs, p, kwargs, grad_out, case["backend"])
     result = dict(status="ok", backend=backend, errors=errors(first),

@@ -54,9 +54,9 @@ from .triton_configs import (
     padded_head_size,
 )  # fmt: skip
 from .triton_forward import plap_forward_kernel
-from .triton_tiles import INTERPRETED, POWER_CLASSES, triton
+from .triton_launcher import TRITON_VERSION, BoundLaunches, run_launch, traced_launch
+from .triton_tiles import EXACT_ALONE, EXACT_PASS, FIRST_PASS, INTERPRETED, POWER_CLASSES, triton
 
-TRITON_VERSION = tuple(int(part) for part in triton.__version__.split(".")[:2]) if triton is not None else None
 # Oldest Triton whose compiled kernels are checked (tests/attention/test_triton_compile.py run with it).
 MIN_TRITON_VERSION = (3, 5)
 # Offsets inside one (batch, head) slab and program ids are int32; the slab bases are int64.
@@ -151,6 +151,9 @@ class Launch(NamedTuple):
 # 85 us per launch (docs/performance.md), while the exact passes there cost 9-25% more instructions per score at the
 # same blocks per SM.
 ONE_PASS_PAIRS = 2**23
+# Multiply-adds fused (FMA): the kernels' arithmetic and instruction counts assume them, and Triton's default turns
+# fusion off from 3.10.
+FP_FUSION = True
 # Heads of one launch: bit h of an int32 says which of the launch's two p head first + h takes.
 MAX_LAUNCH_HEADS = 32
 
@@ -187,32 +190,43 @@ def _slab_blocks(kernel, config, num_queries, num_keys):
     return _ceil_div(num_queries, config.block_m)
 
 
-def _launches(kernel, config, query, key, value, tensors, p, is_causal, has_key_mask, has_documents, euler, eps,
-              exact_only, flag_block=None):  # fmt: skip
-    """The launches of ``kernel`` per group of heads, its first pass then its exact pass (or that alone); a backward
-    kernel's ``flag_block`` is the size of the forward's blocks (dq) or key tiles (dk/dv) that its flags cover, and
-    its row sums take ``config.sums_by_matmul``."""
-    batch, heads, num_queries, head_dim = query.shape
-    num_keys, value_dim = key.shape[2], value.shape[-1]
+@functools.lru_cache(maxsize=1024)
+def _launch_plan(kernel, config, shape, p, is_causal, has_key_mask, has_documents, euler, eps, exact_only, flag_block):
+    """(grid, scalar arguments, meta) of each launch of ``kernel`` per group of heads, its first pass then its exact pass
+    (or that alone): what the shapes settle, computed once per shape. ``shape`` is (B, H, Nq, Nk, d, dv); a backward
+    kernel's ``flag_block`` is the size of the forward's blocks (dq) or key tiles (dk/dv) that its flags cover."""
+    batch, heads, num_queries, num_keys, head_dim, value_dim = shape
     blocks = _slab_blocks(kernel, config, num_queries, num_keys)
-    launches = []
-    for first, end, low, high, high_heads in launch_groups(tuple(p)):
+    plan = []
+    for first, end, low, high, high_heads in launch_groups(p):
         meta = dict(HEAD_DIM=head_dim, VALUE_DIM=value_dim, BLOCK_D=padded_head_size(head_dim),
                     BLOCK_DV=padded_head_size(value_dim), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
                     POWER_LOW=POWER_CLASSES.get(low, 0), POWER_HIGH=POWER_CLASSES.get(high, 0), IS_CAUSAL=is_causal,
                     HAS_KEY_MASK=has_key_mask, HAS_DOCUMENTS=has_documents, EULER=euler, num_warps=config.num_warps,
-                    num_stages=config.num_stages)  # fmt: skip
+                    num_stages=config.num_stages, enable_fp_fusion=FP_FUSION)  # fmt: skip
         if flag_block is not None:
             meta.update(FLAG_BLOCK=flag_block, SUMS_BY_MATMUL=bool(config.sums_by_matmul))
         sizes = (first, end - first, heads, num_queries, num_keys, LOG2_E / math.sqrt(head_dim), (low - 2) / 2,
                  (high - 2) / 2, high_heads, eps)  # fmt: skip
-        grid, args = (blocks * batch * (end - first),), (*tensors, *sizes)
-        first_pass = dict(meta, EXACT=False)
+        grid = (blocks * batch * (end - first),)
+        if exact_only:
+            plan.append((grid, sizes, dict(meta, PASS=int(EXACT_ALONE))))
+            continue
+        first_pass = dict(meta, PASS=int(FIRST_PASS))
         if config.max_registers and not (has_key_mask or has_documents):
             first_pass["maxnreg"] = config.max_registers
-        exact = Launch(kernel, grid, args, dict(meta, EXACT=True))
-        launches += [exact] if exact_only else [Launch(kernel, grid, args, first_pass), exact]
-    return launches
+        plan += [(grid, sizes, first_pass), (grid, sizes, dict(meta, PASS=int(EXACT_PASS)))]
+    return tuple(plan)
+
+
+def _launches(kernel, config, query, key, value, tensors, p, is_causal, has_key_mask, has_documents, euler, eps,
+              exact_only, flag_block=None):  # fmt: skip
+    """The launches of ``kernel`` on these tensors (``_launch_plan``)."""
+    shape = (*query.shape[:3], key.shape[2], query.shape[3], value.shape[3])
+    flags = (tuple(p), is_causal, has_key_mask, has_documents, euler, eps, exact_only, flag_block)
+    # Symbolic sizes (torch.compile with dynamic shapes) are not hashable: no cache then.
+    plan = _launch_plan if all(type(size) is int for size in shape) else _launch_plan.__wrapped__
+    return [Launch(kernel, grid, (*tensors, *sizes), meta) for grid, sizes, meta in plan(kernel, config, shape, *flags)]
 
 
 def _masks(sq_norms, key_keep, documents):
@@ -229,10 +243,9 @@ def squared_norms(value):
 def forward_launches(query, key, value, sq_norms, key_keep, documents, out, lse, own_weight, exact_blocks, p,
                      is_causal, eps, euler, config, exact_only=False):  # fmt: skip
     """The forward launches of contiguous inputs, the first pass then the exact one (``plap_forward_kernel``), or the
-    exact one alone (``exact_only``, every flag set); ``key_keep`` is the (B, Nk) int8 padding mask or None,
-    ``documents`` the ``document_table`` of packed rows or None, ``sq_norms`` the (B, H, Nk) float32 squared norms of
-    the values, ``exact_blocks`` two int32 tensors of ``exact_block_counts(...)`` elements, the second zero (all set
-    with ``exact_only``)."""
+    exact one alone (``exact_only``); ``key_keep`` is the (B, Nk) int8 padding mask or None, ``documents`` the
+    ``document_table`` of packed rows or None, ``sq_norms`` the (B, H, Nk) float32 squared norms of the values,
+    ``exact_blocks`` two int32 tensors of ``exact_block_counts(...)`` elements (not read with ``exact_only``)."""
     tensors = (query, key, value, sq_norms, *_masks(sq_norms, key_keep, documents), out, lse, own_weight,
                *exact_blocks)  # fmt: skip
     flags = (p, is_causal, key_keep is not None, documents is not None, euler, eps, exact_only)
@@ -263,21 +276,12 @@ def backward_launches(
     return _launches(*dq, *flags, config.fwd.block_m) + _launches(*dkdv, *flags, config.fwd.block_n)
 
 
+_BOUND = BoundLaunches()
+
+
 def _run(launch, query, value):
-    """Launch; a failure (compilation, resources, driver) is re-raised with what a bug report needs."""
-    try:
-        launch.kernel[launch.grid](*launch.args, **launch.meta)
-    except Exception as error:
-        if query.device.type == "cuda":
-            major, minor = torch.cuda.get_device_capability(query.device)
-            device = f"{torch.cuda.get_device_name(query.device)} (sm_{major}{minor})"
-        else:
-            device = "the Triton interpreter"
-        raise RuntimeError(
-            f"the Triton backend failed in {launch.kernel.__name__} for {query.dtype}, head sizes "
-            f"{query.shape[-1]}/{value.shape[-1]}, on {device}, with triton {triton.__version__}: "
-            f"{type(error).__name__}: {error}. plap_backend='tiled' runs the same maths without Triton."
-        ) from error
+    """Launch: bound to the compiled kernel on plain tensors, through ``wrap_triton`` while torch.compile traces."""
+    run_launch(launch, query, value, _BOUND if type(query) in (torch.Tensor, torch.nn.Parameter) else traced_launch)
 
 
 def document_table(document_ids):
@@ -304,12 +308,9 @@ def exact_pass_alone(query, key):
 
 def _exact_flags(query, key, config, alone):
     """The forward's int32 flags (``exact_block_counts``): its query blocks', written by its first pass, and its key
-    tiles', zero until its exact pass; all set where every kernel runs its exact pass alone."""
-    query_blocks, key_tiles = exact_block_counts(query, key, config)
-    flags = dict(device=query.device, dtype=torch.int32)
-    if alone:
-        return torch.ones(query_blocks, **flags), torch.ones(key_tiles, **flags)
-    return torch.empty(query_blocks, **flags), torch.zeros(key_tiles, **flags)
+    tiles', zeroed by its first pass and set by its exact pass; none where every kernel runs its exact pass alone."""
+    counts = (0, 0) if alone else exact_block_counts(query, key, config)
+    return tuple(torch.empty(count, device=query.device, dtype=torch.int32) for count in counts)
 
 
 def _flat(config):
@@ -322,9 +323,21 @@ def _unflat(numbers):
     return LaunchConfig(*(KernelConfig(*numbers[start : start + size]) for start in range(0, 3 * size, size)))
 
 
-# Forward and backward as custom ops, so that torch.compile and torch.export trace through the kernels as one opaque
-# node each way (their fake versions give only the shapes); eager calls run the same two functions without the
-# custom-op dispatcher (``FusedOp``). The forward returns what the backward needs.
+# Forward and backward as ops that torch.compile traces; eager calls run the same two functions without the ops'
+# dispatcher (``FusedOp``). On a GPU they are ``triton_op``s: Inductor traces into them and launches the kernels itself
+# (``_run``). Under the interpreter, whose kernels Inductor cannot take, opaque custom ops whose fake versions give the
+# shapes. The forward returns what the backward needs.
+_TRACED_KERNELS = not INTERPRETED and hasattr(torch.library, "triton_op")
+
+
+def _fused_op(name, function, fake):
+    if _TRACED_KERNELS:
+        return torch.library.triton_op(op_name(__name__, name), function, mutates_args=())
+    op = torch.library.custom_op(op_name(__name__, name), function, mutates_args=())
+    op.register_fake(fake)
+    return op
+
+
 def _fused_forward(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -354,11 +367,7 @@ def _fused_forward(
     return out, lse, own_weight, sq_norms, *exact_blocks
 
 
-_forward_op = torch.library.custom_op(op_name(__name__, "forward"), mutates_args=())(_fused_forward)
-
-
-@_forward_op.register_fake
-def _(query, key, value, key_keep, documents, p, is_causal, eps, euler, config):
+def _fake_forward(query, key, value, key_keep, documents, p, is_causal, eps, euler, config):
     batch, heads, num_queries, _ = query.shape
     lse = query.new_empty(batch, heads, num_queries, dtype=torch.float32)
     flags = (lse.new_empty(count, dtype=torch.int32) for count in exact_block_counts(query, key, _unflat(config)))
@@ -400,15 +409,13 @@ def _fused_backward(
     return grad_q, grad_k, grad_v
 
 
-_backward_op = torch.library.custom_op(op_name(__name__, "backward"), mutates_args=())(_fused_backward)
-
-
-@_backward_op.register_fake
-def _(grad_out, query, key, value, key_keep, documents, out, lse, own_weight, sq_norms, query_blocks, key_tiles, p,
-      is_causal, eps, euler, config):  # fmt: skip
+def _fake_backward(grad_out, query, key, value, key_keep, documents, out, lse, own_weight, sq_norms, query_blocks,
+                   key_tiles, p, is_causal, eps, euler, config):  # fmt: skip
     return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
 
 
+_forward_op = _fused_op("forward", _fused_forward, _fake_forward)
+_backward_op = _fused_op("backward", _fused_backward, _fake_backward)
 _fused = FusedOp(_forward_op, _fused_forward, _backward_op, _fused_backward)
 
 

@@ -9,15 +9,17 @@ dv_x += 2 sum_y dL/dD2 (v_x - v_y) on the query side and the same with y and x s
 - ``plap_dkdv_kernel``: one program per (key block, batch * head); loops over query tiles for dK and the key-side part
   of dV, adds the query side and stores dV once in the values' dtype.
 
-Each runs a first pass and an exact pass over its grid (``EXACT``), split by the forward's flags: a dQ block takes the
+Each runs a first pass and an exact pass over its grid (``PASS``), split by the forward's flags: a dQ block takes the
 exact pass where the forward flagged one of its query blocks holding any of its queries, a dK/dV block where the
-forward's exact pass flagged a key tile holding any of its keys; each pass leaves the other's blocks at once.
+forward's exact pass flagged a key tile holding any of its keys; each pass leaves the other's blocks at once. Small
+calls run the exact pass alone over every block.
 """
 
 from .triton_tiles import (
-    FLOAT32_DOT, LN_2, any_set, class_exponent, close_bounds, distances, exact_dot, fixed_documents, forward_flagged,
-    head_exponent, key_loop_bounds, load_rows, load_vector, masked_scores, pair_dot, per_query, power, program_ids,
-    query_loop_bounds, row_ptrs, row_sums, row_sums_init, store_rows, tile_start, times_minus_two, tl,
+    EXACT_ALONE, EXACT_PASS, FIRST_PASS, FLOAT32_DOT, LN_2, any_set, class_exponent, close_bounds, distances, exact_dot,
+    fixed_documents, forward_flagged, head_exponent, key_loop_bounds, load_rows, load_vector, masked_scores, pair_dot,
+    per_query, power, program_ids, query_loop_bounds, row_ptrs, row_sums, row_sums_init, store_rows, tile_start,
+    times_minus_two, tl,
 )  # fmt: skip
 from .triton_tiles import constexpr as constexpr
 from .triton_tiles import jit
@@ -161,14 +163,15 @@ def plap_dkdv_kernel(
     high_heads, eps,
     HEAD_DIM: constexpr, VALUE_DIM: constexpr, BLOCK_D: constexpr, BLOCK_DV: constexpr, BLOCK_M: constexpr,
     BLOCK_N: constexpr, POWER_LOW: constexpr, POWER_HIGH: constexpr, IS_CAUSAL: constexpr, HAS_KEY_MASK: constexpr,
-    HAS_DOCUMENTS: constexpr, EULER: constexpr, EXACT: constexpr, FLAG_BLOCK: constexpr, SUMS_BY_MATMUL: constexpr,
+    HAS_DOCUMENTS: constexpr, EULER: constexpr, PASS: constexpr, FLAG_BLOCK: constexpr, SUMS_BY_MATMUL: constexpr,
 ):  # fmt: skip
     """A key block goes to the exact pass where the forward's exact pass flagged a key tile (FLAG_BLOCK keys) that
     holds any of its keys, and to the first pass otherwise."""
     pid_n, slab, run_head = program_ids(num_keys, head_start, run_heads, num_heads, BLOCK_N, False)
     KeyTiles += slab * tl.cdiv(num_keys, FLAG_BLOCK)
-    if forward_flagged(KeyTiles, pid_n * BLOCK_N, num_keys, BLOCK_N, FLAG_BLOCK) != EXACT:
-        return
+    if PASS != EXACT_ALONE:
+        if forward_flagged(KeyTiles, pid_n * BLOCK_N, num_keys, BLOCK_N, FLAG_BLOCK) != (PASS == EXACT_PASS):
+            return
     use_high, exponent = head_exponent(run_head, high_heads, exponent_low, exponent_high)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     V += slab * num_keys * VALUE_DIM
@@ -186,19 +189,19 @@ def plap_dkdv_kernel(
         grad_k, grad_v, grad_dist_sum = _dkdv_loop(
             keys, queries, (scale_log2, exponent, eps), sizes, plain, masked, HEAD_DIM=HEAD_DIM, VALUE_DIM=VALUE_DIM,
             BLOCK_M=BLOCK_M, POWER=POWER_LOW, IS_CAUSAL=IS_CAUSAL, HAS_KEY_MASK=HAS_KEY_MASK,
-            HAS_DOCUMENTS=HAS_DOCUMENTS, EULER=EULER, EXACT=EXACT, SUMS_BY_MATMUL=SUMS_BY_MATMUL,
+            HAS_DOCUMENTS=HAS_DOCUMENTS, EULER=EULER, EXACT=PASS != FIRST_PASS, SUMS_BY_MATMUL=SUMS_BY_MATMUL,
         )  # fmt: skip
     elif use_high:
         grad_k, grad_v, grad_dist_sum = _dkdv_loop(
             keys, queries, (scale_log2, exponent, eps), sizes, plain, masked, HEAD_DIM=HEAD_DIM, VALUE_DIM=VALUE_DIM,
             BLOCK_M=BLOCK_M, POWER=POWER_HIGH, IS_CAUSAL=IS_CAUSAL, HAS_KEY_MASK=HAS_KEY_MASK,
-            HAS_DOCUMENTS=HAS_DOCUMENTS, EULER=EULER, EXACT=EXACT, SUMS_BY_MATMUL=SUMS_BY_MATMUL,
+            HAS_DOCUMENTS=HAS_DOCUMENTS, EULER=EULER, EXACT=PASS != FIRST_PASS, SUMS_BY_MATMUL=SUMS_BY_MATMUL,
         )  # fmt: skip
     else:
         grad_k, grad_v, grad_dist_sum = _dkdv_loop(
             keys, queries, (scale_log2, exponent, eps), sizes, plain, masked, HEAD_DIM=HEAD_DIM, VALUE_DIM=VALUE_DIM,
             BLOCK_M=BLOCK_M, POWER=POWER_LOW, IS_CAUSAL=IS_CAUSAL, HAS_KEY_MASK=HAS_KEY_MASK,
-            HAS_DOCUMENTS=HAS_DOCUMENTS, EULER=EULER, EXACT=EXACT, SUMS_BY_MATMUL=SUMS_BY_MATMUL,
+            HAS_DOCUMENTS=HAS_DOCUMENTS, EULER=EULER, EXACT=PASS != FIRST_PASS, SUMS_BY_MATMUL=SUMS_BY_MATMUL,
         )  # fmt: skip
 
     grad_v -= row_sums(grad_dist_sum)[:, None] * values.to(tl.float32)
@@ -266,14 +269,15 @@ def plap_dq_kernel(
     high_heads, eps,
     HEAD_DIM: constexpr, VALUE_DIM: constexpr, BLOCK_D: constexpr, BLOCK_DV: constexpr, BLOCK_M: constexpr,
     BLOCK_N: constexpr, POWER_LOW: constexpr, POWER_HIGH: constexpr, IS_CAUSAL: constexpr, HAS_KEY_MASK: constexpr,
-    HAS_DOCUMENTS: constexpr, EULER: constexpr, EXACT: constexpr, FLAG_BLOCK: constexpr, SUMS_BY_MATMUL: constexpr,
+    HAS_DOCUMENTS: constexpr, EULER: constexpr, PASS: constexpr, FLAG_BLOCK: constexpr, SUMS_BY_MATMUL: constexpr,
 ):  # fmt: skip
     """A query block goes to the exact pass where the forward flagged one of its query blocks (FLAG_BLOCK queries)
     that holds any of this block's queries, and to the first pass otherwise."""
     pid_m, slab, run_head = program_ids(num_queries, head_start, run_heads, num_heads, BLOCK_M, IS_CAUSAL)
     QueryBlocks += slab * tl.cdiv(num_queries, FLAG_BLOCK)
-    if forward_flagged(QueryBlocks, pid_m * BLOCK_M, num_queries, BLOCK_M, FLAG_BLOCK) != EXACT:
-        return
+    if PASS != EXACT_ALONE:
+        if forward_flagged(QueryBlocks, pid_m * BLOCK_M, num_queries, BLOCK_M, FLAG_BLOCK) != (PASS == EXACT_PASS):
+            return
     use_high, exponent = head_exponent(run_head, high_heads, exponent_low, exponent_high)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
     K += slab * num_keys * HEAD_DIM
@@ -298,19 +302,19 @@ def plap_dq_kernel(
         grad_q, grad_v_own, grad_dist_sum = _dq_loop(
             queries, keys, (scale_log2, exponent, eps), sizes, plain, masked, HEAD_DIM=HEAD_DIM, VALUE_DIM=VALUE_DIM,
             BLOCK_N=BLOCK_N, POWER=POWER_LOW, IS_CAUSAL=IS_CAUSAL, HAS_KEY_MASK=HAS_KEY_MASK,
-            HAS_DOCUMENTS=HAS_DOCUMENTS, EULER=EULER, EXACT=EXACT, SUMS_BY_MATMUL=SUMS_BY_MATMUL,
+            HAS_DOCUMENTS=HAS_DOCUMENTS, EULER=EULER, EXACT=PASS != FIRST_PASS, SUMS_BY_MATMUL=SUMS_BY_MATMUL,
         )  # fmt: skip
     elif use_high:
         grad_q, grad_v_own, grad_dist_sum = _dq_loop(
             queries, keys, (scale_log2, exponent, eps), sizes, plain, masked, HEAD_DIM=HEAD_DIM, VALUE_DIM=VALUE_DIM,
             BLOCK_N=BLOCK_N, POWER=POWER_HIGH, IS_CAUSAL=IS_CAUSAL, HAS_KEY_MASK=HAS_KEY_MASK,
-            HAS_DOCUMENTS=HAS_DOCUMENTS, EULER=EULER, EXACT=EXACT, SUMS_BY_MATMUL=SUMS_BY_MATMUL,
+            HAS_DOCUMENTS=HAS_DOCUMENTS, EULER=EULER, EXACT=PASS != FIRST_PASS, SUMS_BY_MATMUL=SUMS_BY_MATMUL,
         )  # fmt: skip
     else:
         grad_q, grad_v_own, grad_dist_sum = _dq_loop(
             queries, keys, (scale_log2, exponent, eps), sizes, plain, masked, HEAD_DIM=HEAD_DIM, VALUE_DIM=VALUE_DIM,
             BLOCK_N=BLOCK_N, POWER=POWER_LOW, IS_CAUSAL=IS_CAUSAL, HAS_KEY_MASK=HAS_KEY_MASK,
-            HAS_DOCUMENTS=HAS_DOCUMENTS, EULER=EULER, EXACT=EXACT, SUMS_BY_MATMUL=SUMS_BY_MATMUL,
+            HAS_DOCUMENTS=HAS_DOCUMENTS, EULER=EULER, EXACT=PASS != FIRST_PASS, SUMS_BY_MATMUL=SUMS_BY_MATMUL,
         )  # fmt: skip
 
     store_rows(GradQ + slab * num_queries * HEAD_DIM, rows, num_queries, grad_q * (scale_log2 * LN_2), HEAD_DIM)

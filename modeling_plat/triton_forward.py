@@ -6,14 +6,15 @@ before the multiplication by P. Scores are in log2 units (one exp2 each, log2(e)
 + eps comes from the values' squared norms, computed once per call, and the matmul -2 v_x.v_y; P = (D2 + eps) ** ((p -
 2) / 2) in float32 (``power``). Saves the output, the row logsumexp (base 2) and, for euler, 1 - rowsum(W_off).
 
-The kernel runs twice over its grid (``EXACT``): a first pass with the distances' expansion alone, then an exact pass
+The kernel runs twice over its grid (``PASS``): a first pass with the distances' expansion alone, then an exact pass
 over the blocks where it met close pairs of values (``distances``), which also flags the key tiles where it met them,
-for the backward.
+for the backward; small calls run the exact pass alone.
 """
 
 from .triton_tiles import (
-    FLOAT32_DOT, MIN_SCORE, any_set, close_bounds, distances, fixed_documents, head_exponent, jit, key_loop_bounds,
-    load_rows, load_vector, masked_scores, pair_dot, power, program_ids, store_rows, tile_start, times_minus_two, tl,
+    EXACT_PASS, FIRST_PASS, FLOAT32_DOT, MIN_SCORE, any_set, close_bounds, distances, fixed_documents, head_exponent,
+    jit, key_loop_bounds, load_rows, load_vector, masked_scores, pair_dot, power, program_ids, store_rows, tile_start,
+    times_minus_two, tl,
 )  # fmt: skip
 from .triton_tiles import constexpr as constexpr
 
@@ -21,9 +22,9 @@ from .triton_tiles import constexpr as constexpr
 @jit
 def _forward_tile(row_max, row_sum, off_sum, acc, queries, keys, head, sizes, start, HEAD_DIM: constexpr,
                   VALUE_DIM: constexpr, BLOCK_N: constexpr, POWER: constexpr, MASKED: constexpr, IS_CAUSAL: constexpr,
-                  HAS_KEY_MASK: constexpr, HAS_DOCUMENTS: constexpr, EULER: constexpr, EXACT: constexpr):  # fmt: skip
+                  HAS_KEY_MASK: constexpr, HAS_DOCUMENTS: constexpr, EULER: constexpr, PASS: constexpr):  # fmt: skip
     """The online softmax's state after the key tile at ``start``, and which of the block's queries met close pairs
-    in it (the exact pass flags its key tile for the backward)."""
+    in it (the exact pass after a first one flags its key tile for the backward)."""
     rows, q, v_query_m2, sq_query_eps, bounds = queries
     K, V, SqNorms, KeyTiles, key_keep_row, docs = keys
     scale_log2, exponent, eps = head
@@ -42,8 +43,8 @@ def _forward_tile(row_max, row_sum, off_sum, acc, queries, keys, head, sizes, st
     row_sum = row_sum * rescale + tl.sum(expo, 1)
     dist_eps, is_self, has_close = distances((v_query_m2, sq_query_eps), (values, sq_keys), bounds, V, rows, cols,
                                              num_keys, num_keys - num_queries, eps, VALUE_DIM=VALUE_DIM, MASKED=MASKED,
-                                             QUERY_AXIS=0, EXACT=EXACT)  # [BM, BN], [BM, BN], [BM]  # fmt: skip
-    if EXACT:
+                                             QUERY_AXIS=0, EXACT=PASS != FIRST_PASS)  # [BM, BN], [BM, BN], [BM]  # fmt: skip
+    if PASS == EXACT_PASS:
         if any_set(has_close):
             tl.store(KeyTiles + start // BLOCK_N, 1)
     weights = expo * power(dist_eps, exponent, POWER)[0]  # [BM, BN]
@@ -58,7 +59,7 @@ def _forward_tile(row_max, row_sum, off_sum, acc, queries, keys, head, sizes, st
 @jit
 def _forward_loop(queries, keys, head, sizes, plain, masked, HEAD_DIM: constexpr, VALUE_DIM: constexpr,
                   BLOCK_DV: constexpr, BLOCK_N: constexpr, POWER: constexpr, IS_CAUSAL: constexpr,
-                  HAS_KEY_MASK: constexpr, HAS_DOCUMENTS: constexpr, EULER: constexpr, EXACT: constexpr):  # fmt: skip
+                  HAS_KEY_MASK: constexpr, HAS_DOCUMENTS: constexpr, EULER: constexpr, PASS: constexpr):  # fmt: skip
     """The online softmax over the plain tiles, then the masked ones (``key_loop_bounds``), with one power class:
     (row max, row sum, euler's off-diagonal sum, numerator, whether each query met close pairs)."""
     rows = queries[0]
@@ -73,7 +74,7 @@ def _forward_loop(queries, keys, head, sizes, plain, masked, HEAD_DIM: constexpr
             row_max, row_sum, off_sum, acc, close = _forward_tile(
                 row_max, row_sum, off_sum, acc, queries, keys, head, sizes, tile_start(index, tiles, BLOCK_N),
                 HEAD_DIM=HEAD_DIM, VALUE_DIM=VALUE_DIM, BLOCK_N=BLOCK_N, POWER=POWER, MASKED=phase == 1,
-                IS_CAUSAL=IS_CAUSAL, HAS_KEY_MASK=HAS_KEY_MASK, HAS_DOCUMENTS=HAS_DOCUMENTS, EULER=EULER, EXACT=EXACT,
+                IS_CAUSAL=IS_CAUSAL, HAS_KEY_MASK=HAS_KEY_MASK, HAS_DOCUMENTS=HAS_DOCUMENTS, EULER=EULER, PASS=PASS,
             )  # fmt: skip
             has_close |= close
     return row_max, row_sum, off_sum, acc, has_close
@@ -86,18 +87,19 @@ def plap_forward_kernel(
     high_heads, eps,
     HEAD_DIM: constexpr, VALUE_DIM: constexpr, BLOCK_D: constexpr, BLOCK_DV: constexpr, BLOCK_M: constexpr,
     BLOCK_N: constexpr, POWER_LOW: constexpr, POWER_HIGH: constexpr, IS_CAUSAL: constexpr, HAS_KEY_MASK: constexpr,
-    HAS_DOCUMENTS: constexpr, EULER: constexpr, EXACT: constexpr,
+    HAS_DOCUMENTS: constexpr, EULER: constexpr, PASS: constexpr,
 ):  # fmt: skip
-    """The first pass (EXACT false) computes D2 + eps by the expansion alone; a block with a close pair in any tile
-    stores nothing but its flag in ExactBlocks (int32 per block, written by every program). The exact pass (EXACT)
-    redoes the flagged blocks with the close pairs' direct differences, and sets KeyTiles (int32 per key tile of
-    BLOCK_N, zero before) where a tile had some; the others leave at once. The exact path's code and registers stay
-    out of the first pass, which fits more blocks per SM. (A flagged block's first-pass values may be inf or NaN where
-    the expansion went to zero or below: never stored.) The launch's heads take two p at most (bit h of ``high_heads``
-    marks the second's): each loop is compiled once per power class, and a program runs its head's."""
+    """The first pass (``PASS``, ``triton_tiles.FIRST_PASS``) computes D2 + eps by the expansion alone; a block with a
+    close pair in any tile stores nothing but its flag in ExactBlocks (int32 per block, written by every program), and
+    each program zeroes its share of KeyTiles (int32 per key tile of BLOCK_N). The exact pass redoes the flagged blocks
+    with the close pairs' direct differences, and sets KeyTiles where a tile had some; the others leave at once. The
+    exact path's code and registers stay out of the first pass, which fits more blocks per SM. (A flagged block's
+    first-pass values may be inf or NaN where the expansion went to zero or below: never stored.) The exact pass alone
+    runs every block and reads or writes no flag. The launch's heads take two p at most (bit h of ``high_heads`` marks
+    the second's): each loop is compiled once per power class, and a program runs its head's."""
     pid_m, slab, run_head = program_ids(num_queries, head_start, run_heads, num_heads, BLOCK_M, IS_CAUSAL)
     exact_block = ExactBlocks + slab * tl.cdiv(num_queries, BLOCK_M) + pid_m
-    if EXACT:
+    if PASS == EXACT_PASS:
         if tl.load(exact_block) == 0:  # not flagged: leave before loading anything (the pass's grid is the first's)
             return
     use_high, exponent = head_exponent(run_head, high_heads, exponent_low, exponent_high)
@@ -107,6 +109,9 @@ def plap_forward_kernel(
     V += slab * num_keys * VALUE_DIM
     SqNorms += slab * num_keys
     KeyTiles += slab * tl.cdiv(num_keys, BLOCK_N)
+    if PASS == FIRST_PASS:  # the exact pass sets the flags of the key tiles where it meets close pairs
+        for tile in range(pid_m, tl.cdiv(num_keys, BLOCK_N), tl.cdiv(num_queries, BLOCK_M)):
+            tl.store(KeyTiles + tile, 0)
     stats = slab * num_queries  # Lse and OwnWeight are (B, H, Nq)
     q = load_rows(Q + slab * num_queries * HEAD_DIM, rows, num_queries, HEAD_DIM, BLOCK_D)  # [BM, BD]
     v_query = load_rows(V, rows + offset, num_keys, VALUE_DIM, BLOCK_DV)  # [BM, BDV]
@@ -120,27 +125,27 @@ def plap_forward_kernel(
         row_max, row_sum, off_sum, acc, has_close = _forward_loop(
             queries, keys, (scale_log2, exponent, eps), sizes, plain, masked, HEAD_DIM=HEAD_DIM, VALUE_DIM=VALUE_DIM,
             BLOCK_DV=BLOCK_DV, BLOCK_N=BLOCK_N, POWER=POWER_LOW, IS_CAUSAL=IS_CAUSAL, HAS_KEY_MASK=HAS_KEY_MASK,
-            HAS_DOCUMENTS=HAS_DOCUMENTS, EULER=EULER, EXACT=EXACT,
+            HAS_DOCUMENTS=HAS_DOCUMENTS, EULER=EULER, PASS=PASS,
         )  # fmt: skip
     elif use_high:
         row_max, row_sum, off_sum, acc, has_close = _forward_loop(
             queries, keys, (scale_log2, exponent, eps), sizes, plain, masked, HEAD_DIM=HEAD_DIM, VALUE_DIM=VALUE_DIM,
             BLOCK_DV=BLOCK_DV, BLOCK_N=BLOCK_N, POWER=POWER_HIGH, IS_CAUSAL=IS_CAUSAL, HAS_KEY_MASK=HAS_KEY_MASK,
-            HAS_DOCUMENTS=HAS_DOCUMENTS, EULER=EULER, EXACT=EXACT,
+            HAS_DOCUMENTS=HAS_DOCUMENTS, EULER=EULER, PASS=PASS,
         )  # fmt: skip
     else:
         row_max, row_sum, off_sum, acc, has_close = _forward_loop(
             queries, keys, (scale_log2, exponent, eps), sizes, plain, masked, HEAD_DIM=HEAD_DIM, VALUE_DIM=VALUE_DIM,
             BLOCK_DV=BLOCK_DV, BLOCK_N=BLOCK_N, POWER=POWER_LOW, IS_CAUSAL=IS_CAUSAL, HAS_KEY_MASK=HAS_KEY_MASK,
-            HAS_DOCUMENTS=HAS_DOCUMENTS, EULER=EULER, EXACT=EXACT,
+            HAS_DOCUMENTS=HAS_DOCUMENTS, EULER=EULER, PASS=PASS,
         )  # fmt: skip
 
-    if EXACT:
+    if PASS == FIRST_PASS:  # a block with close pairs stores only its flag, for the exact pass
+        block_flag = tl.max(has_close)
+        tl.store(exact_block, block_flag)
+        stored_rows = tl.where(block_flag != 0, 0, num_queries)
+    else:
         stored_rows = num_queries
-    else:  # a block with close pairs stores only its flag, for the exact pass
-        has_close = tl.max(has_close)
-        tl.store(exact_block, has_close)
-        stored_rows = tl.where(has_close != 0, 0, num_queries)
     row_in = rows < stored_rows
     valid = row_sum > 0  # at least one allowed key; fully masked rows output zeros
     inv_sum = 1.0 / tl.where(valid, row_sum, 1.0)

@@ -63,6 +63,10 @@ HARDWARE_LOG2 = constexpr(not INTERPRETED)
 # square-root chains, two special-function operations instead of three. Each loop is compiled for one class.
 POWER_ANY, POWER_MINUS_QUARTER, POWER_QUARTER = constexpr(0), constexpr(1), constexpr(2)
 POWER_CLASSES = {1.5: 1, 2.5: 2}  # p -> POWER; any other p: POWER_ANY
+# Passes of a kernel over its grid: the first (the distances' expansion alone; a forward block with close pairs stores
+# only its flag), the exact one over the blocks the forward flagged, or the exact one alone over every block (small
+# calls: one launch per kernel, no flags).
+FIRST_PASS, EXACT_PASS, EXACT_ALONE = constexpr(0), constexpr(1), constexpr(2)
 
 
 # ------------------------------------------------------------------------------------------------ programs and loads

@@ -182,10 +182,10 @@ def test_triton_redoes_exactly_the_blocks_with_close_pairs(monkeypatch, two_pass
 
     def run(launch, query, value):
         original(launch, query, value)
-        passes.append((launch.kernel.__name__, launch.meta["EXACT"]))
+        passes.append((launch.kernel.__name__, bool(launch.meta["PASS"])))
         if launch.kernel.__name__ == "plap_forward_kernel":  # its flags, the last two tensor arguments
             query_blocks, key_tiles = [a for a in launch.args if isinstance(a, torch.Tensor)][-2:]
-            flags["key tiles" if launch.meta["EXACT"] else "query blocks"] = (key_tiles if launch.meta["EXACT"]
+            flags["key tiles" if bool(launch.meta["PASS"]) else "query blocks"] = (key_tiles if bool(launch.meta["PASS"])
                                                                                else query_blocks).tolist()
 
     monkeypatch.setattr(triton_module, "_run", run)
@@ -199,7 +199,7 @@ def test_triton_redoes_exactly_the_blocks_with_close_pairs(monkeypatch, two_pass
         passes.clear()
         found = errors(triton_small_blocks, inputs, p=(1.5, 2.5), is_causal=is_causal)
         assert max(found.values()) <= 1e-5, found
-        assert passes == [(f"_plap_{kernel}_kernel", exact) for kernel in ("fwd", "bwd_dq", "bwd_dkdv")
+        assert passes == [(f"plap_{kernel}_kernel", exact) for kernel in ("forward", "dq", "dkdv")
                           for exact in (False, True)]  # fmt: skip
         if copies and not is_causal:
             query_blocks = key_blocks = everything
@@ -232,7 +232,7 @@ def test_triton_backward_passes_split_blocks_by_the_forward_flags():
             for launch in triton_module.backward_launches(query, key, value, sq_norms, None, None, grad_out, out, lse,
                                                           delta, delta, lse, *grads, grad_v_own, flags, p, True,
                                                           1e-6, False, config):  # fmt: skip
-                if launch.meta["EXACT"] == exact:
+                if bool(launch.meta["PASS"]) == exact:
                     triton_module._run(launch, query, value)
             written = flagged == exact
             for grad in grads:
@@ -257,7 +257,7 @@ def test_triton_exact_pass_alone_equals_both_passes(monkeypatch, mask, formulati
     for limit in (0, 2**62):
         passes = []
         monkeypatch.setattr(triton_module, "ONE_PASS_PAIRS", limit)
-        monkeypatch.setattr(triton_module, "_run", lambda launch, query, value: (passes.append(launch.meta["EXACT"]),
+        monkeypatch.setattr(triton_module, "_run", lambda launch, query, value: (passes.append(bool(launch.meta["PASS"])),
                                                                                  original(launch, query, value)))
         out = triton_small_blocks(*inputs, p, attn_mask=attn_mask, is_causal=True, formulation=formulation)
         results[tuple(passes)] = (out, *torch.autograd.grad(out, inputs, grad_out))

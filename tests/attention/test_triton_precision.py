@@ -180,7 +180,7 @@ def test_first_pass_distance_gradient_rounded_to_bfloat16(gpu_dots, two_passes, 
 
     def record_flags(launch, query, value):
         run(launch, query, value)
-        if launch.kernel.__name__ == "plap_forward_kernel" and launch.meta["EXACT"]:  # the forward's, which all follow
+        if launch.kernel.__name__ == "plap_forward_kernel" and bool(launch.meta["PASS"]):  # the forward's, which all follow
             flags.append(sum(int(a.sum()) for a in [a for a in launch.args if isinstance(a, torch.Tensor)][-2:]))
 
     monkeypatch.setattr(triton_module, "_run", record_flags)
