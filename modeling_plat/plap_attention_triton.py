@@ -70,8 +70,8 @@ LOG2_E = 1.4426950408889634
 FORMULATIONS = ("paper", "euler")
 
 
-def triton_unsupported_reason(query, key=None, value=None, *, p, attn_mask=None, document_ids=None,
-                              formulation="paper", device_type=None, capability=None):  # fmt: skip
+def triton_unsupported_reason(query, key=None, value=None, *, p, attn_mask=None, is_causal=False, sliding_window=None,
+                              document_ids=None, formulation="paper", device_type=None, capability=None):  # fmt: skip
     """None when the Triton kernels can run this input, else why not (a phrase for an error message).
 
     ``key`` and ``value`` default to ``query``'s shape and dtype. ``p`` is the heads' p, a tuple of floats
@@ -89,6 +89,8 @@ def triton_unsupported_reason(query, key=None, value=None, *, p, attn_mask=None,
         return f"triton {triton.__version__} is older than {'.'.join(map(str, MIN_TRITON_VERSION))}"
     if formulation not in FORMULATIONS:
         return f"formulation {formulation!r} is not one of {FORMULATIONS}"
+    if sliding_window is not None and not is_causal:
+        return "a sliding window is fused with causal masking only (keys in (x - window, x])"
     if device_type == "cuda":
         capability = torch.cuda.get_device_capability(query.device) if capability is None else capability
         reason = capability_reason(capability, query.dtype, query.shape[-1], value.shape[-1])
@@ -191,10 +193,12 @@ def _slab_blocks(kernel, config, num_queries, num_keys):
 
 
 @functools.lru_cache(maxsize=1024)
-def _launch_plan(kernel, config, shape, p, is_causal, has_key_mask, has_documents, euler, eps, exact_only, flag_block):
+def _launch_plan(kernel, config, shape, p, is_causal, window, has_key_mask, has_documents, euler, eps, exact_only,
+                 flag_block):  # fmt: skip
     """(grid, scalar arguments, meta) of each launch of ``kernel`` per group of heads, its first pass then its exact pass
-    (or that alone): what the shapes settle, computed once per shape. ``shape`` is (B, H, Nq, Nk, d, dv); a backward
-    kernel's ``flag_block`` is the size of the forward's blocks (dq) or key tiles (dk/dv) that its flags cover."""
+    (or that alone): what the shapes settle, computed once per shape. ``shape`` is (B, H, Nq, Nk, d, dv), ``window``
+    the sliding window's size (0: none); a backward kernel's ``flag_block`` is the size of the forward's blocks (dq)
+    or key tiles (dk/dv) that its flags cover."""
     batch, heads, num_queries, num_keys, head_dim, value_dim = shape
     blocks = _slab_blocks(kernel, config, num_queries, num_keys)
     plan = []
@@ -202,11 +206,11 @@ def _launch_plan(kernel, config, shape, p, is_causal, has_key_mask, has_document
         meta = dict(HEAD_DIM=head_dim, VALUE_DIM=value_dim, BLOCK_D=padded_head_size(head_dim),
                     BLOCK_DV=padded_head_size(value_dim), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
                     POWER_LOW=POWER_CLASSES.get(low, 0), POWER_HIGH=POWER_CLASSES.get(high, 0), IS_CAUSAL=is_causal,
-                    HAS_KEY_MASK=has_key_mask, HAS_DOCUMENTS=has_documents, EULER=euler, num_warps=config.num_warps,
-                    num_stages=config.num_stages, enable_fp_fusion=FP_FUSION)  # fmt: skip
+                    HAS_WINDOW=window > 0, HAS_KEY_MASK=has_key_mask, HAS_DOCUMENTS=has_documents, EULER=euler,
+                    num_warps=config.num_warps, num_stages=config.num_stages, enable_fp_fusion=FP_FUSION)  # fmt: skip
         if flag_block is not None:
             meta.update(FLAG_BLOCK=flag_block, SUMS_BY_MATMUL=bool(config.sums_by_matmul))
-        sizes = (first, end - first, heads, num_queries, num_keys, LOG2_E / math.sqrt(head_dim), (low - 2) / 2,
+        sizes = (first, end - first, heads, num_queries, num_keys, window, LOG2_E / math.sqrt(head_dim), (low - 2) / 2,
                  (high - 2) / 2, high_heads, eps)  # fmt: skip
         grid = (blocks * batch * (end - first),)
         if exact_only:
@@ -219,11 +223,11 @@ def _launch_plan(kernel, config, shape, p, is_causal, has_key_mask, has_document
     return tuple(plan)
 
 
-def _launches(kernel, config, query, key, value, tensors, p, is_causal, has_key_mask, has_documents, euler, eps,
-              exact_only, flag_block=None):  # fmt: skip
+def _launches(kernel, config, query, key, value, tensors, p, is_causal, window, has_key_mask, has_documents, euler,
+              eps, exact_only, flag_block=None):  # fmt: skip
     """The launches of ``kernel`` on these tensors (``_launch_plan``)."""
     shape = (*query.shape[:3], key.shape[2], query.shape[3], value.shape[3])
-    flags = (tuple(p), is_causal, has_key_mask, has_documents, euler, eps, exact_only, flag_block)
+    flags = (tuple(p), is_causal, window, has_key_mask, has_documents, euler, eps, exact_only, flag_block)
     # Symbolic sizes (torch.compile with dynamic shapes) are not hashable: no cache then.
     plan = _launch_plan if all(type(size) is int for size in shape) else _launch_plan.__wrapped__
     return [Launch(kernel, grid, (*tensors, *sizes), meta) for grid, sizes, meta in plan(kernel, config, shape, *flags)]
@@ -241,14 +245,15 @@ def squared_norms(value):
 
 
 def forward_launches(query, key, value, sq_norms, key_keep, documents, out, lse, own_weight, exact_blocks, p,
-                     is_causal, eps, euler, config, exact_only=False):  # fmt: skip
+                     is_causal, eps, euler, config, exact_only=False, window=0):  # fmt: skip
     """The forward launches of contiguous inputs, the first pass then the exact one (``plap_forward_kernel``), or the
     exact one alone (``exact_only``); ``key_keep`` is the (B, Nk) int8 padding mask or None, ``documents`` the
     ``document_table`` of packed rows or None, ``sq_norms`` the (B, H, Nk) float32 squared norms of the values,
-    ``exact_blocks`` two int32 tensors of ``exact_block_counts(...)`` elements (not read with ``exact_only``)."""
+    ``exact_blocks`` two int32 tensors of ``exact_block_counts(...)`` elements (not read with ``exact_only``),
+    ``window`` the size of a causal sliding window (keys in (x - window, x] of the query at key position x; 0: none)."""
     tensors = (query, key, value, sq_norms, *_masks(sq_norms, key_keep, documents), out, lse, own_weight,
                *exact_blocks)  # fmt: skip
-    flags = (p, is_causal, key_keep is not None, documents is not None, euler, eps, exact_only)
+    flags = (p, is_causal, window, key_keep is not None, documents is not None, euler, eps, exact_only)
     return _launches(plap_forward_kernel, config.fwd, query, key, value, tensors, *flags)
 
 
@@ -261,14 +266,14 @@ def exact_block_counts(query, key, config):
 
 def backward_launches(
     query, key, value, sq_norms, key_keep, documents, grad_out, out, lse, delta, own_dot, own_weight, grad_q, grad_k,
-    grad_v, grad_v_own, exact_blocks, p, is_causal, eps, euler, config, exact_only=False,
+    grad_v, grad_v_own, exact_blocks, p, is_causal, eps, euler, config, exact_only=False, window=0,
 ):  # fmt: skip
     """The dq launches, then the dk/dv launches, each kernel's first pass then its exact one (or that alone, as in
     ``forward_launches``). dq writes the row statistics ``delta`` and (euler) ``own_dot``, (B, H, Nq) float32, and
     each query's own-value part of dv to ``grad_v_own``, (B, H, Nq, dv) float32, which the dk/dv kernel adds to the
     key side as it stores ``grad_v``; ``exact_blocks`` are the forward's flags (``forward_launches``)."""
     inputs = (query, key, value, sq_norms, *_masks(sq_norms, key_keep, documents), grad_out, lse, delta, own_dot)
-    flags = (p, is_causal, key_keep is not None, documents is not None, euler, eps, exact_only)
+    flags = (p, is_causal, window, key_keep is not None, documents is not None, euler, eps, exact_only)
     query_blocks, key_tiles = exact_blocks
     dq = (plap_dq_kernel, config.dq, query, key, value, (*inputs, out, own_weight, grad_q, grad_v_own,
                                                               query_blocks))  # fmt: skip
@@ -346,6 +351,7 @@ def _fused_forward(
     documents: torch.Tensor | None,
     p: list[float],
     is_causal: bool,
+    window: int,
     eps: float,
     euler: bool,
     config: list[int],
@@ -361,13 +367,13 @@ def _fused_forward(
     exact_blocks = _exact_flags(query, key, config, alone)
     for launch in forward_launches(
         query, key, value, sq_norms, key_keep, documents, out, lse, own_weight if euler else lse, exact_blocks,
-        tuple(p), is_causal, eps, euler, config, alone,
+        tuple(p), is_causal, eps, euler, config, alone, window,
     ):  # fmt: skip
         _run(launch, query, value)
     return out, lse, own_weight, sq_norms, *exact_blocks
 
 
-def _fake_forward(query, key, value, key_keep, documents, p, is_causal, eps, euler, config):
+def _fake_forward(query, key, value, key_keep, documents, p, is_causal, window, eps, euler, config):
     batch, heads, num_queries, _ = query.shape
     lse = query.new_empty(batch, heads, num_queries, dtype=torch.float32)
     flags = (lse.new_empty(count, dtype=torch.int32) for count in exact_block_counts(query, key, _unflat(config)))
@@ -390,6 +396,7 @@ def _fused_backward(
     key_tiles: torch.Tensor,
     p: list[float],
     is_causal: bool,
+    window: int,
     eps: float,
     euler: bool,
     config: list[int],
@@ -403,14 +410,14 @@ def _fused_backward(
     for launch in backward_launches(
         query, key, value, sq_norms, key_keep, documents, grad_out, out, lse, delta, own_dot,
         own_weight if euler else lse, grad_q, grad_k, grad_v, grad_v_own, (query_blocks, key_tiles), tuple(p),
-        is_causal, eps, euler, config, alone,
+        is_causal, eps, euler, config, alone, window,
     ):  # fmt: skip
         _run(launch, query, value)
     return grad_q, grad_k, grad_v
 
 
 def _fake_backward(grad_out, query, key, value, key_keep, documents, out, lse, own_weight, sq_norms, query_blocks,
-                   key_tiles, p, is_causal, eps, euler, config):  # fmt: skip
+                   key_tiles, p, is_causal, window, eps, euler, config):  # fmt: skip
     return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
 
 
@@ -420,16 +427,18 @@ _fused = FusedOp(_forward_op, _fused_forward, _backward_op, _fused_backward)
 
 
 def plap_attention_triton(
-    query, key, value, *, p, attn_mask=None, is_causal=False, document_ids=None, eps=1e-6, formulation="paper",
-    blocks=None, config=None,
+    query, key, value, *, p, attn_mask=None, is_causal=False, sliding_window=None, document_ids=None, eps=1e-6,
+    formulation="paper", blocks=None, config=None,
 ):  # fmt: skip
     """p-Laplacian attention with fused kernels; arguments as ``plap_attention``, which checks the inputs and
     ``triton_unsupported_reason`` before it calls this: a direct call is trusted.
 
     ``p`` is a tuple of floats, one per head (static: each run of equal p is one launch, p = 1.5 and 2.5
     with specialised powers); no gradient for p. ``attn_mask`` must be a key-padding mask (see
-    ``triton_unsupported_reason``). ``config`` (a LaunchConfig) overrides the one of the GPU, and ``blocks`` =
-    (BLOCK_M, BLOCK_N) the tile sizes of all three kernels (tests cross tile borders with them).
+    ``triton_unsupported_reason``). ``sliding_window`` (with ``is_causal``): the query at key position x attends to
+    the keys in (x - sliding_window, x], as transformers defines the window; the loops visit only those tiles.
+    ``config`` (a LaunchConfig) overrides the one of the GPU, and ``blocks`` = (BLOCK_M, BLOCK_N) the tile sizes of
+    all three kernels (tests cross tile borders with them).
     """
     if config is None and query.device.type == "cuda":
         capability = torch.cuda.get_device_capability(query.device)
@@ -445,6 +454,8 @@ def plap_attention_triton(
         key_keep = key_keep.to(torch.int8).contiguous()  # (B, Nk)
     documents = None if document_ids is None else document_table(document_ids)
     query, key, value = (tensor.contiguous() for tensor in (query, key, value))  # offsets follow from shapes
-    out, *_ = _fused(query, key, value, key_keep, documents, [float(v) for v in p], is_causal, float(eps),
-                               formulation == "euler", _flat(config))  # fmt: skip
+    # A window as long as the keys leaves every causal pair: no window then.
+    window = sliding_window if sliding_window is not None and sliding_window < key.shape[2] else 0
+    out, *_ = _fused(query, key, value, key_keep, documents, [float(v) for v in p], is_causal, window, float(eps),
+                     formulation == "euler", _flat(config))  # fmt: skip
     return out

@@ -27,7 +27,7 @@ from .triton_tiles import jit
 
 @jit
 def _tile_grads(q, k, query_side, key_side, bounds, grad_out, row_stats, V, rows, cols, sizes, masks, head,
-                VALUE_DIM: constexpr, POWER: constexpr, MASKED: constexpr, IS_CAUSAL: constexpr,
+                VALUE_DIM: constexpr, POWER: constexpr, MASKED: constexpr, IS_CAUSAL: constexpr, HAS_WINDOW: constexpr,
                 HAS_KEY_MASK: constexpr, HAS_DOCUMENTS: constexpr, EULER: constexpr, QUERY_AXIS: constexpr,
                 EXACT: constexpr):  # fmt: skip
     """Recompute one tile (``query_side`` and ``key_side`` as ``distances`` takes them): W (W_off for euler), dS and
@@ -39,8 +39,8 @@ def _tile_grads(q, k, query_side, key_side, bounds, grad_out, row_stats, V, rows
     scale_log2, exponent, eps = head
     lse, delta, own_dot = row_stats
     scores = masked_scores(pair_dot(q, k, QUERY_AXIS) * scale_log2, rows, cols, sizes, masks, MASKED=MASKED,
-                           IS_CAUSAL=IS_CAUSAL, HAS_KEY_MASK=HAS_KEY_MASK, HAS_DOCUMENTS=HAS_DOCUMENTS,
-                           QUERY_AXIS=QUERY_AXIS)  # [BF, BL]  # fmt: skip
+                           IS_CAUSAL=IS_CAUSAL, HAS_WINDOW=HAS_WINDOW, HAS_KEY_MASK=HAS_KEY_MASK,
+                           HAS_DOCUMENTS=HAS_DOCUMENTS, QUERY_AXIS=QUERY_AXIS)  # [BF, BL]  # fmt: skip
     attn = tl.exp2(scores - per_query(lse, QUERY_AXIS))
     dist_eps, is_self, has_close = distances(query_side, key_side, bounds, V, rows, cols, num_keys,
                                              num_keys - num_queries, eps, VALUE_DIM=VALUE_DIM, MASKED=MASKED,
@@ -109,8 +109,8 @@ def _row_stats(Out, Delta, OwnDot, slab, rows, grad_out, v_query, num_queries, V
 @jit
 def _dkdv_tile(grad_k, grad_v, grad_dist_sum, keys, queries, head, sizes, start, HEAD_DIM: constexpr,
                VALUE_DIM: constexpr, BLOCK_M: constexpr, POWER: constexpr, MASKED: constexpr, IS_CAUSAL: constexpr,
-               HAS_KEY_MASK: constexpr, HAS_DOCUMENTS: constexpr, EULER: constexpr, EXACT: constexpr,
-               SUMS_BY_MATMUL: constexpr):  # fmt: skip
+               HAS_WINDOW: constexpr, HAS_KEY_MASK: constexpr, HAS_DOCUMENTS: constexpr, EULER: constexpr,
+               EXACT: constexpr, SUMS_BY_MATMUL: constexpr):  # fmt: skip
     """dK, dV and the distance gradient's row sums after the query tile at ``start``; (keys, queries) tiles."""
     cols, k, values, sq_keys_eps, bounds = keys
     slab, Q, V, SqNorms, GradOut, Lse, Delta, OwnDot, masks = queries
@@ -123,7 +123,7 @@ def _dkdv_tile(grad_k, grad_v, grad_dist_sum, keys, queries, head, sizes, start,
     )  # fmt: skip
     weights, grad_scores, grad_dist = _tile_grads(
         q, k, (v_query, sq_query), (values, sq_keys_eps), bounds, grad_out, (lse, delta, own_dot), V, rows, cols,
-        sizes, masks, head, VALUE_DIM=VALUE_DIM, POWER=POWER, MASKED=MASKED, IS_CAUSAL=IS_CAUSAL,
+        sizes, masks, head, VALUE_DIM=VALUE_DIM, POWER=POWER, MASKED=MASKED, IS_CAUSAL=IS_CAUSAL, HAS_WINDOW=HAS_WINDOW,
         HAS_KEY_MASK=HAS_KEY_MASK, HAS_DOCUMENTS=HAS_DOCUMENTS, EULER=EULER, QUERY_AXIS=1, EXACT=EXACT,
     )  # [BN, BM] each  # fmt: skip
     grad_v += tl.dot(weights.to(grad_out.dtype), grad_out, input_precision=FLOAT32_DOT)
@@ -136,8 +136,9 @@ def _dkdv_tile(grad_k, grad_v, grad_dist_sum, keys, queries, head, sizes, start,
 
 @jit
 def _dkdv_loop(keys, queries, head, sizes, plain, masked, HEAD_DIM: constexpr, VALUE_DIM: constexpr,
-               BLOCK_M: constexpr, POWER: constexpr, IS_CAUSAL: constexpr, HAS_KEY_MASK: constexpr,
-               HAS_DOCUMENTS: constexpr, EULER: constexpr, EXACT: constexpr, SUMS_BY_MATMUL: constexpr):  # fmt: skip
+               BLOCK_M: constexpr, POWER: constexpr, IS_CAUSAL: constexpr, HAS_WINDOW: constexpr,
+               HAS_KEY_MASK: constexpr, HAS_DOCUMENTS: constexpr, EULER: constexpr, EXACT: constexpr,
+               SUMS_BY_MATMUL: constexpr):  # fmt: skip
     """The plain query tiles, then the masked ones (``query_loop_bounds``), with one power class: (dK, dV without
     its v_y term, the distance gradient's row sums)."""
     cols, k, values = keys[0], keys[1], keys[2]
@@ -150,8 +151,8 @@ def _dkdv_loop(keys, queries, head, sizes, plain, masked, HEAD_DIM: constexpr, V
             grad_k, grad_v, grad_dist_sum = _dkdv_tile(
                 grad_k, grad_v, grad_dist_sum, keys, queries, head, sizes, tile_start(index, tiles, BLOCK_M),
                 HEAD_DIM=HEAD_DIM, VALUE_DIM=VALUE_DIM, BLOCK_M=BLOCK_M, POWER=POWER, MASKED=phase == 1,
-                IS_CAUSAL=IS_CAUSAL, HAS_KEY_MASK=HAS_KEY_MASK, HAS_DOCUMENTS=HAS_DOCUMENTS, EULER=EULER, EXACT=EXACT,
-                SUMS_BY_MATMUL=SUMS_BY_MATMUL,
+                IS_CAUSAL=IS_CAUSAL, HAS_WINDOW=HAS_WINDOW, HAS_KEY_MASK=HAS_KEY_MASK, HAS_DOCUMENTS=HAS_DOCUMENTS,
+                EULER=EULER, EXACT=EXACT, SUMS_BY_MATMUL=SUMS_BY_MATMUL,
             )  # fmt: skip
     return grad_k, grad_v, grad_dist_sum
 
@@ -159,11 +160,12 @@ def _dkdv_loop(keys, queries, head, sizes, plain, masked, HEAD_DIM: constexpr, V
 @jit(do_not_specialize=["high_heads"])
 def plap_dkdv_kernel(
     Q, K, V, SqNorms, KeyKeep, Documents, GradOut, Lse, Delta, OwnDot, GradVOwn, GradK, GradV, KeyTiles,
-    head_start, run_heads, num_heads, num_queries, num_keys, scale_log2, exponent_low, exponent_high,
+    head_start, run_heads, num_heads, num_queries, num_keys, window, scale_log2, exponent_low, exponent_high,
     high_heads, eps,
     HEAD_DIM: constexpr, VALUE_DIM: constexpr, BLOCK_D: constexpr, BLOCK_DV: constexpr, BLOCK_M: constexpr,
-    BLOCK_N: constexpr, POWER_LOW: constexpr, POWER_HIGH: constexpr, IS_CAUSAL: constexpr, HAS_KEY_MASK: constexpr,
-    HAS_DOCUMENTS: constexpr, EULER: constexpr, PASS: constexpr, FLAG_BLOCK: constexpr, SUMS_BY_MATMUL: constexpr,
+    BLOCK_N: constexpr, POWER_LOW: constexpr, POWER_HIGH: constexpr, IS_CAUSAL: constexpr, HAS_WINDOW: constexpr,
+    HAS_KEY_MASK: constexpr, HAS_DOCUMENTS: constexpr, EULER: constexpr, PASS: constexpr, FLAG_BLOCK: constexpr,
+    SUMS_BY_MATMUL: constexpr,
 ):  # fmt: skip
     """A key block goes to the exact pass where the forward's exact pass flagged a key tile (FLAG_BLOCK keys) that
     holds any of its keys, and to the first pass otherwise."""
@@ -182,25 +184,26 @@ def plap_dkdv_kernel(
     sq_keys_eps = load_vector(SqNorms, cols, num_keys, 0.0) + eps  # [BN]
     docs, span = fixed_documents(Documents, slab, num_heads, cols, num_keys, HAS_DOCUMENTS)
     keys = (cols, k, values, sq_keys_eps, close_bounds(sq_keys_eps, eps, 1))
-    queries = (slab, Q, V, SqNorms, GradOut, Lse, Delta, OwnDot, (key_keep_row, docs))
+    queries = (slab, Q, V, SqNorms, GradOut, Lse, Delta, OwnDot, (key_keep_row, docs, window))
     sizes = (num_queries, num_keys)
-    plain, masked = query_loop_bounds(pid_n, num_queries, num_keys, span, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_KEY_MASK)
+    plain, masked = query_loop_bounds(pid_n, num_queries, num_keys, window, span, BLOCK_M, BLOCK_N, IS_CAUSAL,
+                                      HAS_WINDOW, HAS_KEY_MASK)  # fmt: skip
     if POWER_LOW == POWER_HIGH:
         grad_k, grad_v, grad_dist_sum = _dkdv_loop(
             keys, queries, (scale_log2, exponent, eps), sizes, plain, masked, HEAD_DIM=HEAD_DIM, VALUE_DIM=VALUE_DIM,
-            BLOCK_M=BLOCK_M, POWER=POWER_LOW, IS_CAUSAL=IS_CAUSAL, HAS_KEY_MASK=HAS_KEY_MASK,
+            BLOCK_M=BLOCK_M, POWER=POWER_LOW, IS_CAUSAL=IS_CAUSAL, HAS_WINDOW=HAS_WINDOW, HAS_KEY_MASK=HAS_KEY_MASK,
             HAS_DOCUMENTS=HAS_DOCUMENTS, EULER=EULER, EXACT=PASS != FIRST_PASS, SUMS_BY_MATMUL=SUMS_BY_MATMUL,
         )  # fmt: skip
     elif use_high:
         grad_k, grad_v, grad_dist_sum = _dkdv_loop(
             keys, queries, (scale_log2, exponent, eps), sizes, plain, masked, HEAD_DIM=HEAD_DIM, VALUE_DIM=VALUE_DIM,
-            BLOCK_M=BLOCK_M, POWER=POWER_HIGH, IS_CAUSAL=IS_CAUSAL, HAS_KEY_MASK=HAS_KEY_MASK,
+            BLOCK_M=BLOCK_M, POWER=POWER_HIGH, IS_CAUSAL=IS_CAUSAL, HAS_WINDOW=HAS_WINDOW, HAS_KEY_MASK=HAS_KEY_MASK,
             HAS_DOCUMENTS=HAS_DOCUMENTS, EULER=EULER, EXACT=PASS != FIRST_PASS, SUMS_BY_MATMUL=SUMS_BY_MATMUL,
         )  # fmt: skip
     else:
         grad_k, grad_v, grad_dist_sum = _dkdv_loop(
             keys, queries, (scale_log2, exponent, eps), sizes, plain, masked, HEAD_DIM=HEAD_DIM, VALUE_DIM=VALUE_DIM,
-            BLOCK_M=BLOCK_M, POWER=POWER_LOW, IS_CAUSAL=IS_CAUSAL, HAS_KEY_MASK=HAS_KEY_MASK,
+            BLOCK_M=BLOCK_M, POWER=POWER_LOW, IS_CAUSAL=IS_CAUSAL, HAS_WINDOW=HAS_WINDOW, HAS_KEY_MASK=HAS_KEY_MASK,
             HAS_DOCUMENTS=HAS_DOCUMENTS, EULER=EULER, EXACT=PASS != FIRST_PASS, SUMS_BY_MATMUL=SUMS_BY_MATMUL,
         )  # fmt: skip
 
@@ -220,8 +223,8 @@ def plap_dkdv_kernel(
 @jit
 def _dq_tile(grad_q, grad_v_own, grad_dist_sum, queries, keys, head, sizes, start, HEAD_DIM: constexpr,
              VALUE_DIM: constexpr, BLOCK_N: constexpr, POWER: constexpr, MASKED: constexpr, IS_CAUSAL: constexpr,
-             HAS_KEY_MASK: constexpr, HAS_DOCUMENTS: constexpr, EULER: constexpr, EXACT: constexpr,
-             SUMS_BY_MATMUL: constexpr):  # fmt: skip
+             HAS_WINDOW: constexpr, HAS_KEY_MASK: constexpr, HAS_DOCUMENTS: constexpr, EULER: constexpr,
+             EXACT: constexpr, SUMS_BY_MATMUL: constexpr):  # fmt: skip
     """dQ, the query side of dV and the distance gradient's row sums after the key tile at ``start``."""
     rows, q, v_query_m2, sq_query_eps, bounds, grad_out, row_stats = queries
     K, V, SqNorms, masks = keys
@@ -232,8 +235,8 @@ def _dq_tile(grad_q, grad_v_own, grad_dist_sum, queries, keys, head, sizes, star
     sq_keys = load_vector(SqNorms, cols, num_keys, 0.0, MASKED)  # [BN]
     weights, grad_scores, grad_dist = _tile_grads(
         q, k, (v_query_m2, sq_query_eps), (values, sq_keys), bounds, grad_out, row_stats, V, rows, cols, sizes, masks,
-        head, VALUE_DIM=VALUE_DIM, POWER=POWER, MASKED=MASKED, IS_CAUSAL=IS_CAUSAL, HAS_KEY_MASK=HAS_KEY_MASK,
-        HAS_DOCUMENTS=HAS_DOCUMENTS, EULER=EULER, QUERY_AXIS=0, EXACT=EXACT,
+        head, VALUE_DIM=VALUE_DIM, POWER=POWER, MASKED=MASKED, IS_CAUSAL=IS_CAUSAL, HAS_WINDOW=HAS_WINDOW,
+        HAS_KEY_MASK=HAS_KEY_MASK, HAS_DOCUMENTS=HAS_DOCUMENTS, EULER=EULER, QUERY_AXIS=0, EXACT=EXACT,
     )  # [BM, BN] each  # fmt: skip
     grad_q += tl.dot(grad_scores.to(k.dtype), k, input_precision=FLOAT32_DOT)
     grad_v_own, grad_dist_sum = exact_dot(grad_dist, values, grad_v_own, grad_dist_sum, EXACT, SUMS_BY_MATMUL)
@@ -242,7 +245,7 @@ def _dq_tile(grad_q, grad_v_own, grad_dist_sum, queries, keys, head, sizes, star
 
 @jit
 def _dq_loop(queries, keys, head, sizes, plain, masked, HEAD_DIM: constexpr, VALUE_DIM: constexpr,
-             BLOCK_N: constexpr, POWER: constexpr, IS_CAUSAL: constexpr, HAS_KEY_MASK: constexpr,
+             BLOCK_N: constexpr, POWER: constexpr, IS_CAUSAL: constexpr, HAS_WINDOW: constexpr, HAS_KEY_MASK: constexpr,
              HAS_DOCUMENTS: constexpr, EULER: constexpr, EXACT: constexpr, SUMS_BY_MATMUL: constexpr):  # fmt: skip
     """The plain key tiles, then the masked ones (``key_loop_bounds``), with one power class: (dQ, the query side of
     dV without its v_x term, the distance gradient's row sums)."""
@@ -256,8 +259,8 @@ def _dq_loop(queries, keys, head, sizes, plain, masked, HEAD_DIM: constexpr, VAL
             grad_q, grad_v_own, grad_dist_sum = _dq_tile(
                 grad_q, grad_v_own, grad_dist_sum, queries, keys, head, sizes, tile_start(index, tiles, BLOCK_N),
                 HEAD_DIM=HEAD_DIM, VALUE_DIM=VALUE_DIM, BLOCK_N=BLOCK_N, POWER=POWER, MASKED=phase == 1,
-                IS_CAUSAL=IS_CAUSAL, HAS_KEY_MASK=HAS_KEY_MASK, HAS_DOCUMENTS=HAS_DOCUMENTS, EULER=EULER, EXACT=EXACT,
-                SUMS_BY_MATMUL=SUMS_BY_MATMUL,
+                IS_CAUSAL=IS_CAUSAL, HAS_WINDOW=HAS_WINDOW, HAS_KEY_MASK=HAS_KEY_MASK, HAS_DOCUMENTS=HAS_DOCUMENTS,
+                EULER=EULER, EXACT=EXACT, SUMS_BY_MATMUL=SUMS_BY_MATMUL,
             )  # fmt: skip
     return grad_q, grad_v_own, grad_dist_sum
 
@@ -265,11 +268,12 @@ def _dq_loop(queries, keys, head, sizes, plain, masked, HEAD_DIM: constexpr, VAL
 @jit(do_not_specialize=["high_heads"])
 def plap_dq_kernel(
     Q, K, V, SqNorms, KeyKeep, Documents, GradOut, Lse, Delta, OwnDot, Out, OwnWeight, GradQ, GradVOwn, QueryBlocks,
-    head_start, run_heads, num_heads, num_queries, num_keys, scale_log2, exponent_low, exponent_high,
+    head_start, run_heads, num_heads, num_queries, num_keys, window, scale_log2, exponent_low, exponent_high,
     high_heads, eps,
     HEAD_DIM: constexpr, VALUE_DIM: constexpr, BLOCK_D: constexpr, BLOCK_DV: constexpr, BLOCK_M: constexpr,
-    BLOCK_N: constexpr, POWER_LOW: constexpr, POWER_HIGH: constexpr, IS_CAUSAL: constexpr, HAS_KEY_MASK: constexpr,
-    HAS_DOCUMENTS: constexpr, EULER: constexpr, PASS: constexpr, FLAG_BLOCK: constexpr, SUMS_BY_MATMUL: constexpr,
+    BLOCK_N: constexpr, POWER_LOW: constexpr, POWER_HIGH: constexpr, IS_CAUSAL: constexpr, HAS_WINDOW: constexpr,
+    HAS_KEY_MASK: constexpr, HAS_DOCUMENTS: constexpr, EULER: constexpr, PASS: constexpr, FLAG_BLOCK: constexpr,
+    SUMS_BY_MATMUL: constexpr,
 ):  # fmt: skip
     """A query block goes to the exact pass where the forward flagged one of its query blocks (FLAG_BLOCK queries)
     that holds any of this block's queries, and to the first pass otherwise."""
@@ -295,25 +299,26 @@ def plap_dq_kernel(
     delta, own_dot = _row_stats(Out, Delta, OwnDot, slab, rows, grad_out, v_query, num_queries, VALUE_DIM, EULER)
     docs, span = fixed_documents(Documents, slab, num_heads, rows, num_keys, HAS_DOCUMENTS)
     queries = (rows, q, v_query_m2, sq_query_eps, bounds, grad_out, (lse, delta, own_dot))
-    keys = (K, V, SqNorms, (key_keep_row, docs))
+    keys = (K, V, SqNorms, (key_keep_row, docs, window))
     sizes = (num_queries, num_keys)
-    plain, masked = key_loop_bounds(pid_m, num_queries, num_keys, span, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_KEY_MASK)
+    plain, masked = key_loop_bounds(pid_m, num_queries, num_keys, window, span, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_WINDOW,
+                                    HAS_KEY_MASK)  # fmt: skip
     if POWER_LOW == POWER_HIGH:
         grad_q, grad_v_own, grad_dist_sum = _dq_loop(
             queries, keys, (scale_log2, exponent, eps), sizes, plain, masked, HEAD_DIM=HEAD_DIM, VALUE_DIM=VALUE_DIM,
-            BLOCK_N=BLOCK_N, POWER=POWER_LOW, IS_CAUSAL=IS_CAUSAL, HAS_KEY_MASK=HAS_KEY_MASK,
+            BLOCK_N=BLOCK_N, POWER=POWER_LOW, IS_CAUSAL=IS_CAUSAL, HAS_WINDOW=HAS_WINDOW, HAS_KEY_MASK=HAS_KEY_MASK,
             HAS_DOCUMENTS=HAS_DOCUMENTS, EULER=EULER, EXACT=PASS != FIRST_PASS, SUMS_BY_MATMUL=SUMS_BY_MATMUL,
         )  # fmt: skip
     elif use_high:
         grad_q, grad_v_own, grad_dist_sum = _dq_loop(
             queries, keys, (scale_log2, exponent, eps), sizes, plain, masked, HEAD_DIM=HEAD_DIM, VALUE_DIM=VALUE_DIM,
-            BLOCK_N=BLOCK_N, POWER=POWER_HIGH, IS_CAUSAL=IS_CAUSAL, HAS_KEY_MASK=HAS_KEY_MASK,
+            BLOCK_N=BLOCK_N, POWER=POWER_HIGH, IS_CAUSAL=IS_CAUSAL, HAS_WINDOW=HAS_WINDOW, HAS_KEY_MASK=HAS_KEY_MASK,
             HAS_DOCUMENTS=HAS_DOCUMENTS, EULER=EULER, EXACT=PASS != FIRST_PASS, SUMS_BY_MATMUL=SUMS_BY_MATMUL,
         )  # fmt: skip
     else:
         grad_q, grad_v_own, grad_dist_sum = _dq_loop(
             queries, keys, (scale_log2, exponent, eps), sizes, plain, masked, HEAD_DIM=HEAD_DIM, VALUE_DIM=VALUE_DIM,
-            BLOCK_N=BLOCK_N, POWER=POWER_LOW, IS_CAUSAL=IS_CAUSAL, HAS_KEY_MASK=HAS_KEY_MASK,
+            BLOCK_N=BLOCK_N, POWER=POWER_LOW, IS_CAUSAL=IS_CAUSAL, HAS_WINDOW=HAS_WINDOW, HAS_KEY_MASK=HAS_KEY_MASK,
             HAS_DOCUMENTS=HAS_DOCUMENTS, EULER=EULER, EXACT=PASS != FIRST_PASS, SUMS_BY_MATMUL=SUMS_BY_MATMUL,
         )  # fmt: skip
 

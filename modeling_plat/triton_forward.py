@@ -22,11 +22,12 @@ from .triton_tiles import constexpr as constexpr
 @jit
 def _forward_tile(row_max, row_sum, off_sum, acc, queries, keys, head, sizes, start, HEAD_DIM: constexpr,
                   VALUE_DIM: constexpr, BLOCK_N: constexpr, POWER: constexpr, MASKED: constexpr, IS_CAUSAL: constexpr,
-                  HAS_KEY_MASK: constexpr, HAS_DOCUMENTS: constexpr, EULER: constexpr, PASS: constexpr):  # fmt: skip
+                  HAS_WINDOW: constexpr, HAS_KEY_MASK: constexpr, HAS_DOCUMENTS: constexpr, EULER: constexpr,
+                  PASS: constexpr):  # fmt: skip
     """The online softmax's state after the key tile at ``start``, and which of the block's queries met close pairs
     in it (the exact pass after a first one flags its key tile for the backward)."""
     rows, q, v_query_m2, sq_query_eps, bounds = queries
-    K, V, SqNorms, KeyTiles, key_keep_row, docs = keys
+    K, V, SqNorms, KeyTiles, masks = keys
     scale_log2, exponent, eps = head
     num_queries, num_keys = sizes
     cols = start + tl.arange(0, BLOCK_N)  # [BN]
@@ -34,16 +35,17 @@ def _forward_tile(row_max, row_sum, off_sum, acc, queries, keys, head, sizes, st
     values = load_rows(V, cols, num_keys, VALUE_DIM, acc.shape[1], MASKED)  # [BN, BDV]
     sq_keys = load_vector(SqNorms, cols, num_keys, 0.0, MASKED)  # [BN]
     # q.k unscaled: the scale (> 0) multiplies the row maxima, and joins each score's exp2 argument as one FMA.
-    scores = masked_scores(pair_dot(q, k, 0), rows, cols, sizes, (key_keep_row, docs), MASKED=MASKED,
-                           IS_CAUSAL=IS_CAUSAL, HAS_KEY_MASK=HAS_KEY_MASK, HAS_DOCUMENTS=HAS_DOCUMENTS,
+    scores = masked_scores(pair_dot(q, k, 0), rows, cols, sizes, masks, MASKED=MASKED, IS_CAUSAL=IS_CAUSAL,
+                           HAS_WINDOW=HAS_WINDOW, HAS_KEY_MASK=HAS_KEY_MASK, HAS_DOCUMENTS=HAS_DOCUMENTS,
                            QUERY_AXIS=0)  # [BM, BN]  # fmt: skip
     new_max = tl.maximum(row_max, tl.max(scores, 1) * scale_log2)  # [BM]
     rescale = tl.exp2(row_max - new_max)
     expo = tl.exp2(scores * scale_log2 - new_max[:, None])  # [BM, BN]
     row_sum = row_sum * rescale + tl.sum(expo, 1)
+    # [BM, BN] distances + eps, [BM, BN] self pairs, [BM] rows with close pairs
     dist_eps, is_self, has_close = distances((v_query_m2, sq_query_eps), (values, sq_keys), bounds, V, rows, cols,
                                              num_keys, num_keys - num_queries, eps, VALUE_DIM=VALUE_DIM, MASKED=MASKED,
-                                             QUERY_AXIS=0, EXACT=PASS != FIRST_PASS)  # [BM, BN], [BM, BN], [BM]  # fmt: skip
+                                             QUERY_AXIS=0, EXACT=PASS != FIRST_PASS)  # fmt: skip
     if PASS == EXACT_PASS:
         if any_set(has_close):
             tl.store(KeyTiles + start // BLOCK_N, 1)
@@ -59,7 +61,8 @@ def _forward_tile(row_max, row_sum, off_sum, acc, queries, keys, head, sizes, st
 @jit
 def _forward_loop(queries, keys, head, sizes, plain, masked, HEAD_DIM: constexpr, VALUE_DIM: constexpr,
                   BLOCK_DV: constexpr, BLOCK_N: constexpr, POWER: constexpr, IS_CAUSAL: constexpr,
-                  HAS_KEY_MASK: constexpr, HAS_DOCUMENTS: constexpr, EULER: constexpr, PASS: constexpr):  # fmt: skip
+                  HAS_WINDOW: constexpr, HAS_KEY_MASK: constexpr, HAS_DOCUMENTS: constexpr, EULER: constexpr,
+                  PASS: constexpr):  # fmt: skip
     """The online softmax over the plain tiles, then the masked ones (``key_loop_bounds``), with one power class:
     (row max, row sum, euler's off-diagonal sum, numerator, whether each query met close pairs)."""
     rows = queries[0]
@@ -74,7 +77,8 @@ def _forward_loop(queries, keys, head, sizes, plain, masked, HEAD_DIM: constexpr
             row_max, row_sum, off_sum, acc, close = _forward_tile(
                 row_max, row_sum, off_sum, acc, queries, keys, head, sizes, tile_start(index, tiles, BLOCK_N),
                 HEAD_DIM=HEAD_DIM, VALUE_DIM=VALUE_DIM, BLOCK_N=BLOCK_N, POWER=POWER, MASKED=phase == 1,
-                IS_CAUSAL=IS_CAUSAL, HAS_KEY_MASK=HAS_KEY_MASK, HAS_DOCUMENTS=HAS_DOCUMENTS, EULER=EULER, PASS=PASS,
+                IS_CAUSAL=IS_CAUSAL, HAS_WINDOW=HAS_WINDOW, HAS_KEY_MASK=HAS_KEY_MASK, HAS_DOCUMENTS=HAS_DOCUMENTS,
+                EULER=EULER, PASS=PASS,
             )  # fmt: skip
             has_close |= close
     return row_max, row_sum, off_sum, acc, has_close
@@ -83,11 +87,11 @@ def _forward_loop(queries, keys, head, sizes, plain, masked, HEAD_DIM: constexpr
 @jit(do_not_specialize=["high_heads"])  # a bit mask, not a size: one compilation serves every layout of p
 def plap_forward_kernel(
     Q, K, V, SqNorms, KeyKeep, Documents, Out, Lse, OwnWeight, ExactBlocks, KeyTiles,
-    head_start, run_heads, num_heads, num_queries, num_keys, scale_log2, exponent_low, exponent_high,
+    head_start, run_heads, num_heads, num_queries, num_keys, window, scale_log2, exponent_low, exponent_high,
     high_heads, eps,
     HEAD_DIM: constexpr, VALUE_DIM: constexpr, BLOCK_D: constexpr, BLOCK_DV: constexpr, BLOCK_M: constexpr,
-    BLOCK_N: constexpr, POWER_LOW: constexpr, POWER_HIGH: constexpr, IS_CAUSAL: constexpr, HAS_KEY_MASK: constexpr,
-    HAS_DOCUMENTS: constexpr, EULER: constexpr, PASS: constexpr,
+    BLOCK_N: constexpr, POWER_LOW: constexpr, POWER_HIGH: constexpr, IS_CAUSAL: constexpr, HAS_WINDOW: constexpr,
+    HAS_KEY_MASK: constexpr, HAS_DOCUMENTS: constexpr, EULER: constexpr, PASS: constexpr,
 ):  # fmt: skip
     """The first pass (``PASS``, ``triton_tiles.FIRST_PASS``) computes D2 + eps by the expansion alone; a block with a
     close pair in any tile stores nothing but its flag in ExactBlocks (int32 per block, written by every program), and
@@ -118,26 +122,27 @@ def plap_forward_kernel(
     sq_query_eps = load_vector(SqNorms + offset, rows, num_queries, 0.0) + eps  # [BM]
     docs, span = fixed_documents(Documents, slab, num_heads, rows, num_keys, HAS_DOCUMENTS)
     queries = (rows, q, times_minus_two(v_query), sq_query_eps, close_bounds(sq_query_eps, eps, 0))
-    keys = (K, V, SqNorms, KeyTiles, KeyKeep + (slab // num_heads) * num_keys, docs)
+    keys = (K, V, SqNorms, KeyTiles, (KeyKeep + (slab // num_heads) * num_keys, docs, window))
     sizes = (num_queries, num_keys)
-    plain, masked = key_loop_bounds(pid_m, num_queries, num_keys, span, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_KEY_MASK)
+    plain, masked = key_loop_bounds(pid_m, num_queries, num_keys, window, span, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_WINDOW,
+                                    HAS_KEY_MASK)  # fmt: skip
     if POWER_LOW == POWER_HIGH:
         row_max, row_sum, off_sum, acc, has_close = _forward_loop(
             queries, keys, (scale_log2, exponent, eps), sizes, plain, masked, HEAD_DIM=HEAD_DIM, VALUE_DIM=VALUE_DIM,
-            BLOCK_DV=BLOCK_DV, BLOCK_N=BLOCK_N, POWER=POWER_LOW, IS_CAUSAL=IS_CAUSAL, HAS_KEY_MASK=HAS_KEY_MASK,
-            HAS_DOCUMENTS=HAS_DOCUMENTS, EULER=EULER, PASS=PASS,
+            BLOCK_DV=BLOCK_DV, BLOCK_N=BLOCK_N, POWER=POWER_LOW, IS_CAUSAL=IS_CAUSAL, HAS_WINDOW=HAS_WINDOW,
+            HAS_KEY_MASK=HAS_KEY_MASK, HAS_DOCUMENTS=HAS_DOCUMENTS, EULER=EULER, PASS=PASS,
         )  # fmt: skip
     elif use_high:
         row_max, row_sum, off_sum, acc, has_close = _forward_loop(
             queries, keys, (scale_log2, exponent, eps), sizes, plain, masked, HEAD_DIM=HEAD_DIM, VALUE_DIM=VALUE_DIM,
-            BLOCK_DV=BLOCK_DV, BLOCK_N=BLOCK_N, POWER=POWER_HIGH, IS_CAUSAL=IS_CAUSAL, HAS_KEY_MASK=HAS_KEY_MASK,
-            HAS_DOCUMENTS=HAS_DOCUMENTS, EULER=EULER, PASS=PASS,
+            BLOCK_DV=BLOCK_DV, BLOCK_N=BLOCK_N, POWER=POWER_HIGH, IS_CAUSAL=IS_CAUSAL, HAS_WINDOW=HAS_WINDOW,
+            HAS_KEY_MASK=HAS_KEY_MASK, HAS_DOCUMENTS=HAS_DOCUMENTS, EULER=EULER, PASS=PASS,
         )  # fmt: skip
     else:
         row_max, row_sum, off_sum, acc, has_close = _forward_loop(
             queries, keys, (scale_log2, exponent, eps), sizes, plain, masked, HEAD_DIM=HEAD_DIM, VALUE_DIM=VALUE_DIM,
-            BLOCK_DV=BLOCK_DV, BLOCK_N=BLOCK_N, POWER=POWER_LOW, IS_CAUSAL=IS_CAUSAL, HAS_KEY_MASK=HAS_KEY_MASK,
-            HAS_DOCUMENTS=HAS_DOCUMENTS, EULER=EULER, PASS=PASS,
+            BLOCK_DV=BLOCK_DV, BLOCK_N=BLOCK_N, POWER=POWER_LOW, IS_CAUSAL=IS_CAUSAL, HAS_WINDOW=HAS_WINDOW,
+            HAS_KEY_MASK=HAS_KEY_MASK, HAS_DOCUMENTS=HAS_DOCUMENTS, EULER=EULER, PASS=PASS,
         )  # fmt: skip
 
     if PASS == FIRST_PASS:  # a block with close pairs stores only its flag, for the exact pass

@@ -298,14 +298,14 @@ def fixed_documents(Documents, slab, num_heads, positions, num_keys, HAS_DOCUMEN
 
 
 @jit
-def masked_scores(scores, rows, cols, sizes, masks, MASKED: constexpr, IS_CAUSAL: constexpr,
+def masked_scores(scores, rows, cols, sizes, masks, MASKED: constexpr, IS_CAUSAL: constexpr, HAS_WINDOW: constexpr,
                   HAS_KEY_MASK: constexpr, HAS_DOCUMENTS: constexpr, QUERY_AXIS: constexpr):  # fmt: skip
-    """-inf where query ``rows`` may not attend to key ``cols`` (out of range, causal, padding, another document);
-    tiles that the loop split proves whole and allowed (MASKED false) skip the test, and with documents they
-    compare ids only where the tile's tokens are not all of the fixed block's one document. ``sizes`` is
-    (num_queries, num_keys), ``masks`` (the key-padding row, ``fixed_documents``' docs)."""
+    """-inf where query ``rows`` may not attend to key ``cols`` (out of range, causal, outside the sliding window,
+    padding, another document); tiles that the loop split proves whole and allowed (MASKED false) skip the test, and
+    with documents they compare ids only where the tile's tokens are not all of the fixed block's one document.
+    ``sizes`` is (num_queries, num_keys), ``masks`` (the key-padding row, ``fixed_documents``' docs, the window)."""
     num_queries, num_keys = sizes
-    key_keep_row, docs = masks
+    key_keep_row, docs, window = masks
     if HAS_DOCUMENTS:  # tiles are (fixed block, loop block); Nq == Nk
         row, fixed_ids, fixed_low, fixed_high = docs
         loop_positions = cols if QUERY_AXIS == 0 else rows
@@ -317,6 +317,8 @@ def masked_scores(scores, rows, cols, sizes, masks, MASKED: constexpr, IS_CAUSAL
         allowed = (query_pos < num_queries) & (key_pos < num_keys)
         if IS_CAUSAL:
             allowed = allowed & (key_pos <= query_pos + (num_keys - num_queries))
+        if HAS_WINDOW:  # keys in (x - window, x] of the query at key position x
+            allowed = allowed & (key_pos > query_pos + (num_keys - num_queries) - window)
         if HAS_KEY_MASK:
             keep = tl.load(key_keep_row + cols, mask=cols < num_keys, other=0)
             allowed = allowed & (per_key(keep, QUERY_AXIS) != 0)
@@ -440,36 +442,47 @@ def tile_start(index, tiles, BLOCK: constexpr):
 
 
 @jit
-def key_loop_bounds(pid_m, num_queries, num_keys, span, BLOCK_M: constexpr, BLOCK_N: constexpr,
-                    IS_CAUSAL: constexpr, HAS_KEY_MASK: constexpr):  # fmt: skip
-    """The plain and masked tiles of a query block's loop over key blocks (forward and dq)."""
+def key_loop_bounds(pid_m, num_queries, num_keys, window, span, BLOCK_M: constexpr, BLOCK_N: constexpr,
+                    IS_CAUSAL: constexpr, HAS_WINDOW: constexpr, HAS_KEY_MASK: constexpr):  # fmt: skip
+    """The plain and masked tiles of a query block's loop over key blocks (forward and dq). A sliding window (causal)
+    starts the loop at the tile of the block's first query's first key, masks the tiles that the window's edge crosses
+    and leaves the keys below it unvisited: O(window) tiles per block."""
     offset = num_keys - num_queries
     first_key = offset + pid_m * BLOCK_M  # the key position of the block's first query
     full_end = num_keys // BLOCK_N * BLOCK_N
+    begin = 0
     if IS_CAUSAL:
         end = tl.minimum(num_keys, first_key + BLOCK_M)
         a = tl.minimum(full_end, first_key // BLOCK_N * BLOCK_N)  # below the diagonal: no self pair either
         b = end
         c = end
+        if HAS_WINDOW:  # masked [begin, b), plain [b, c), masked [c, end)
+            begin = tl.maximum(first_key - window + 1, 0) // BLOCK_N * BLOCK_N
+            b = tl.maximum(tl.cdiv(tl.maximum(first_key + BLOCK_M - window, 0), BLOCK_N) * BLOCK_N, begin)
+            b = tl.minimum(b, end)
+            c = a
+            a = begin
     else:
         end = num_keys
         a = tl.minimum(full_end, first_key // BLOCK_N * BLOCK_N)
         b = tl.maximum(a, tl.minimum(end, tl.cdiv(tl.minimum(first_key + BLOCK_M, num_keys), BLOCK_N) * BLOCK_N))
         c = full_end
     if HAS_KEY_MASK:
-        a = 0
+        a = begin
         b = end
         c = end
-    return _loop_split(0, a, b, c, end, span, BLOCK_N)
+    return _loop_split(begin, a, b, c, end, span, BLOCK_N)
 
 
 @jit
-def query_loop_bounds(pid_n, num_queries, num_keys, span, BLOCK_M: constexpr, BLOCK_N: constexpr,
-                      IS_CAUSAL: constexpr, HAS_KEY_MASK: constexpr):  # fmt: skip
-    """The plain and masked tiles of a key block's loop over query blocks (dkdv)."""
+def query_loop_bounds(pid_n, num_queries, num_keys, window, span, BLOCK_M: constexpr, BLOCK_N: constexpr,
+                      IS_CAUSAL: constexpr, HAS_WINDOW: constexpr, HAS_KEY_MASK: constexpr):  # fmt: skip
+    """The plain and masked tiles of a key block's loop over query blocks (dkdv); under a sliding window (causal) the
+    loop ends after the last query whose window holds one of the block's keys."""
     offset = num_keys - num_queries
     first_query = pid_n * BLOCK_N - offset  # the query at the block's first key position (may be < 0)
     full_end = num_queries // BLOCK_M * BLOCK_M
+    end = num_queries
     begin = 0
     if IS_CAUSAL:  # queries before the block's first key never see it
         begin = tl.maximum(first_query, 0) // BLOCK_M * BLOCK_M
@@ -477,6 +490,10 @@ def query_loop_bounds(pid_n, num_queries, num_keys, span, BLOCK_M: constexpr, BL
         b = tl.minimum(full_end, tl.cdiv(tl.maximum(first_query + BLOCK_N, 0), BLOCK_M) * BLOCK_M)
         b = tl.maximum(b, begin)
         c = full_end
+        if HAS_WINDOW:  # queries at key positions up to the block's last key + window - 1 see some of its keys
+            end = tl.minimum(num_queries, tl.maximum(first_query + BLOCK_N + window - 1, 0))
+            b = tl.minimum(b, end)
+            c = tl.minimum(c, tl.maximum(first_query + window, 0) // BLOCK_M * BLOCK_M)
     else:
         a = tl.minimum(full_end, tl.maximum(first_query, 0) // BLOCK_M * BLOCK_M)
         band_end = tl.cdiv(tl.minimum(tl.maximum(first_query + BLOCK_N, 0), num_queries), BLOCK_M) * BLOCK_M
@@ -484,9 +501,9 @@ def query_loop_bounds(pid_n, num_queries, num_keys, span, BLOCK_M: constexpr, BL
         c = full_end
     if HAS_KEY_MASK:
         a = begin
-        b = num_queries
-        c = num_queries
-    return _loop_split(begin, a, b, c, num_queries, span, BLOCK_M)
+        b = end
+        c = end
+    return _loop_split(begin, a, b, c, end, span, BLOCK_M)
 
 
 @jit
