@@ -156,28 +156,28 @@ ONE_PASS_PAIRS = 2**23
 # Multiply-adds fused (FMA): the kernels' arithmetic and instruction counts assume them, and Triton's default turns
 # fusion off from 3.10.
 FP_FUSION = True
-# Heads of one launch: bit h of an int32 says which of the launch's two p head first + h takes.
+# Heads of one launch: bit h of an int32 says whether the launch runs head first + h.
 MAX_LAUNCH_HEADS = 32
 
 
 @functools.lru_cache(maxsize=256)  # a model's layers pass the same few tuples at every call
 def launch_groups(p):
-    """(first head, end, low p, high p, high_heads) of each launch, ``p`` a tuple of one float per head: consecutive
-    heads with at most two values of p (the paper's mix is one launch), at most MAX_LAUNCH_HEADS of them; bit h of
-    high_heads (a signed int32) is set where head first + h takes the high p. Each p's power class is a compile-time
-    constant of the kernels."""
-    groups = []  # [first, end, {p}]
+    """(first head, end, p, head_mask) of each launch, ``p`` a tuple of one float per head: runs of consecutive heads
+    with at most two values of p, at most MAX_LAUNCH_HEADS of them, one launch per value (its power's class is a
+    compile-time constant), whose programs run the heads of the run where bit h of head_mask (a signed int32) is set
+    for head first + h, and leave at once elsewhere. The paper's mix is one run."""
+    runs = []  # [first, end, {p}]
     for head, value in enumerate(p):
-        if groups and head - groups[-1][0] < MAX_LAUNCH_HEADS and len(groups[-1][2] | {value}) <= 2:
-            groups[-1][1] = head + 1
-            groups[-1][2].add(value)
+        if runs and head - runs[-1][0] < MAX_LAUNCH_HEADS and len(runs[-1][2] | {value}) <= 2:
+            runs[-1][1] = head + 1
+            runs[-1][2].add(value)
         else:
-            groups.append([head, head + 1, {value}])
+            runs.append([head, head + 1, {value}])
     launches = []
-    for first, end, values in groups:
-        low, high = min(values), max(values)
-        mask = sum(1 << (head - first) for head in range(first, end) if p[head] == high != low)
-        launches.append((first, end, low, high, mask - (1 << 32) if mask >= 1 << 31 else mask))
+    for first, end, values in runs:
+        for value in sorted(values):
+            mask = sum(1 << (head - first) for head in range(first, end) if p[head] == value)
+            launches.append((first, end, value, mask - (1 << 32) if mask >= 1 << 31 else mask))
     return tuple(launches)
 
 
@@ -195,23 +195,23 @@ def _slab_blocks(kernel, config, num_queries, num_keys):
 @functools.lru_cache(maxsize=1024)
 def _launch_plan(kernel, config, shape, p, is_causal, window, has_key_mask, has_documents, euler, eps, exact_only,
                  flag_block):  # fmt: skip
-    """(grid, scalar arguments, meta) of each launch of ``kernel`` per group of heads, its first pass then its exact pass
-    (or that alone): what the shapes settle, computed once per shape. ``shape`` is (B, H, Nq, Nk, d, dv), ``window``
+    """(grid, scalar arguments, meta) of each launch of ``kernel`` (``launch_groups``), its first pass then its exact
+    pass (or that alone): what the shapes settle, computed once per shape. ``shape`` is (B, H, Nq, Nk, d, dv), ``window``
     the sliding window's size (0: none); a backward kernel's ``flag_block`` is the size of the forward's blocks (dq)
     or key tiles (dk/dv) that its flags cover."""
     batch, heads, num_queries, num_keys, head_dim, value_dim = shape
     blocks = _slab_blocks(kernel, config, num_queries, num_keys)
     plan = []
-    for first, end, low, high, high_heads in launch_groups(p):
+    for first, end, value, head_mask in launch_groups(p):
         meta = dict(HEAD_DIM=head_dim, VALUE_DIM=value_dim, BLOCK_D=padded_head_size(head_dim),
                     BLOCK_DV=padded_head_size(value_dim), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-                    POWER_LOW=POWER_CLASSES.get(low, 0), POWER_HIGH=POWER_CLASSES.get(high, 0), IS_CAUSAL=is_causal,
-                    HAS_WINDOW=window > 0, HAS_KEY_MASK=has_key_mask, HAS_DOCUMENTS=has_documents, EULER=euler,
-                    num_warps=config.num_warps, num_stages=config.num_stages, enable_fp_fusion=FP_FUSION)  # fmt: skip
+                    POWER=POWER_CLASSES.get(value, 0), IS_CAUSAL=is_causal, HAS_WINDOW=window > 0,
+                    HAS_KEY_MASK=has_key_mask, HAS_DOCUMENTS=has_documents, EULER=euler, num_warps=config.num_warps,
+                    num_stages=config.num_stages, enable_fp_fusion=FP_FUSION)  # fmt: skip
         if flag_block is not None:
             meta.update(FLAG_BLOCK=flag_block, SUMS_BY_MATMUL=bool(config.sums_by_matmul))
-        sizes = (first, end - first, heads, num_queries, num_keys, window, LOG2_E / math.sqrt(head_dim), (low - 2) / 2,
-                 (high - 2) / 2, high_heads, eps)  # fmt: skip
+        sizes = (first, end - first, heads, num_queries, num_keys, window, LOG2_E / math.sqrt(head_dim),
+                 (value - 2) / 2, head_mask, eps)  # fmt: skip
         grid = (blocks * batch * (end - first),)
         if exact_only:
             plan.append((grid, sizes, dict(meta, PASS=int(EXACT_ALONE))))

@@ -16,13 +16,11 @@ calls run the exact pass alone over every block.
 """
 
 from .triton_tiles import (
-    EXACT_ALONE, EXACT_PASS, FIRST_PASS, FLOAT32_DOT, LN_2, any_set, class_exponent, close_bounds, distances, exact_dot,
-    fixed_documents, forward_flagged, head_exponent, key_loop_bounds, load_rows, load_vector, masked_scores, pair_dot,
+    EXACT_ALONE, EXACT_PASS, FIRST_PASS, FLOAT32_DOT, LN_2, any_set, class_exponent, close_bounds, constexpr, distances,
+    exact_dot, fixed_documents, forward_flagged, jit, key_loop_bounds, load_rows, load_vector, masked_scores, pair_dot,
     per_query, power, program_ids, query_loop_bounds, row_ptrs, row_sums, row_sums_init, store_rows, tile_start,
     times_minus_two, tl,
 )  # fmt: skip
-from .triton_tiles import constexpr as constexpr
-from .triton_tiles import jit
 
 
 @jit
@@ -134,47 +132,23 @@ def _dkdv_tile(grad_k, grad_v, grad_dist_sum, keys, queries, head, sizes, start,
     return grad_k, grad_v, grad_dist_sum
 
 
-@jit
-def _dkdv_loop(keys, queries, head, sizes, plain, masked, HEAD_DIM: constexpr, VALUE_DIM: constexpr,
-               BLOCK_M: constexpr, POWER: constexpr, IS_CAUSAL: constexpr, HAS_WINDOW: constexpr,
-               HAS_KEY_MASK: constexpr, HAS_DOCUMENTS: constexpr, EULER: constexpr, EXACT: constexpr,
-               SUMS_BY_MATMUL: constexpr):  # fmt: skip
-    """The plain query tiles, then the masked ones (``query_loop_bounds``), with one power class: (dK, dV without
-    its v_y term, the distance gradient's row sums)."""
-    cols, k, values = keys[0], keys[1], keys[2]
-    grad_k = tl.zeros([cols.shape[0], k.shape[1]], tl.float32)  # [BN, BD]
-    grad_v = tl.zeros([cols.shape[0], values.shape[1]], tl.float32)  # [BN, BDV]
-    grad_dist_sum = row_sums_init(cols.shape[0], values.dtype, SUMS_BY_MATMUL)
-    for phase in tl.static_range(2):
-        tiles = plain if phase == 0 else masked
-        for index in range(0, tiles[0]):
-            grad_k, grad_v, grad_dist_sum = _dkdv_tile(
-                grad_k, grad_v, grad_dist_sum, keys, queries, head, sizes, tile_start(index, tiles, BLOCK_M),
-                HEAD_DIM=HEAD_DIM, VALUE_DIM=VALUE_DIM, BLOCK_M=BLOCK_M, POWER=POWER, MASKED=phase == 1,
-                IS_CAUSAL=IS_CAUSAL, HAS_WINDOW=HAS_WINDOW, HAS_KEY_MASK=HAS_KEY_MASK, HAS_DOCUMENTS=HAS_DOCUMENTS,
-                EULER=EULER, EXACT=EXACT, SUMS_BY_MATMUL=SUMS_BY_MATMUL,
-            )  # fmt: skip
-    return grad_k, grad_v, grad_dist_sum
-
-
-@jit(do_not_specialize=["high_heads"])
+@jit(do_not_specialize=["head_mask"])
 def plap_dkdv_kernel(
     Q, K, V, SqNorms, KeyKeep, Documents, GradOut, Lse, Delta, OwnDot, GradVOwn, GradK, GradV, KeyTiles,
-    head_start, run_heads, num_heads, num_queries, num_keys, window, scale_log2, exponent_low, exponent_high,
-    high_heads, eps,
+    head_start, run_heads, num_heads, num_queries, num_keys, window, scale_log2, exponent, head_mask, eps,
     HEAD_DIM: constexpr, VALUE_DIM: constexpr, BLOCK_D: constexpr, BLOCK_DV: constexpr, BLOCK_M: constexpr,
-    BLOCK_N: constexpr, POWER_LOW: constexpr, POWER_HIGH: constexpr, IS_CAUSAL: constexpr, HAS_WINDOW: constexpr,
-    HAS_KEY_MASK: constexpr, HAS_DOCUMENTS: constexpr, EULER: constexpr, PASS: constexpr, FLAG_BLOCK: constexpr,
-    SUMS_BY_MATMUL: constexpr,
+    BLOCK_N: constexpr, POWER: constexpr, IS_CAUSAL: constexpr, HAS_WINDOW: constexpr, HAS_KEY_MASK: constexpr,
+    HAS_DOCUMENTS: constexpr, EULER: constexpr, PASS: constexpr, FLAG_BLOCK: constexpr, SUMS_BY_MATMUL: constexpr,
 ):  # fmt: skip
     """A key block goes to the exact pass where the forward's exact pass flagged a key tile (FLAG_BLOCK keys) that
     holds any of its keys, and to the first pass otherwise."""
-    pid_n, slab, run_head = program_ids(num_keys, head_start, run_heads, num_heads, BLOCK_N, False)
+    pid_n, slab, in_launch = program_ids(num_keys, head_start, run_heads, num_heads, head_mask, BLOCK_N, False)
+    if not in_launch:
+        return
     KeyTiles += slab * tl.cdiv(num_keys, FLAG_BLOCK)
     if PASS != EXACT_ALONE:
         if forward_flagged(KeyTiles, pid_n * BLOCK_N, num_keys, BLOCK_N, FLAG_BLOCK) != (PASS == EXACT_PASS):
             return
-    use_high, exponent = head_exponent(run_head, high_heads, exponent_low, exponent_high)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     V += slab * num_keys * VALUE_DIM
     SqNorms += slab * num_keys
@@ -188,24 +162,19 @@ def plap_dkdv_kernel(
     sizes = (num_queries, num_keys)
     plain, masked = query_loop_bounds(pid_n, num_queries, num_keys, window, span, BLOCK_M, BLOCK_N, IS_CAUSAL,
                                       HAS_WINDOW, HAS_KEY_MASK)  # fmt: skip
-    if POWER_LOW == POWER_HIGH:
-        grad_k, grad_v, grad_dist_sum = _dkdv_loop(
-            keys, queries, (scale_log2, exponent, eps), sizes, plain, masked, HEAD_DIM=HEAD_DIM, VALUE_DIM=VALUE_DIM,
-            BLOCK_M=BLOCK_M, POWER=POWER_LOW, IS_CAUSAL=IS_CAUSAL, HAS_WINDOW=HAS_WINDOW, HAS_KEY_MASK=HAS_KEY_MASK,
-            HAS_DOCUMENTS=HAS_DOCUMENTS, EULER=EULER, EXACT=PASS != FIRST_PASS, SUMS_BY_MATMUL=SUMS_BY_MATMUL,
-        )  # fmt: skip
-    elif use_high:
-        grad_k, grad_v, grad_dist_sum = _dkdv_loop(
-            keys, queries, (scale_log2, exponent, eps), sizes, plain, masked, HEAD_DIM=HEAD_DIM, VALUE_DIM=VALUE_DIM,
-            BLOCK_M=BLOCK_M, POWER=POWER_HIGH, IS_CAUSAL=IS_CAUSAL, HAS_WINDOW=HAS_WINDOW, HAS_KEY_MASK=HAS_KEY_MASK,
-            HAS_DOCUMENTS=HAS_DOCUMENTS, EULER=EULER, EXACT=PASS != FIRST_PASS, SUMS_BY_MATMUL=SUMS_BY_MATMUL,
-        )  # fmt: skip
-    else:
-        grad_k, grad_v, grad_dist_sum = _dkdv_loop(
-            keys, queries, (scale_log2, exponent, eps), sizes, plain, masked, HEAD_DIM=HEAD_DIM, VALUE_DIM=VALUE_DIM,
-            BLOCK_M=BLOCK_M, POWER=POWER_LOW, IS_CAUSAL=IS_CAUSAL, HAS_WINDOW=HAS_WINDOW, HAS_KEY_MASK=HAS_KEY_MASK,
-            HAS_DOCUMENTS=HAS_DOCUMENTS, EULER=EULER, EXACT=PASS != FIRST_PASS, SUMS_BY_MATMUL=SUMS_BY_MATMUL,
-        )  # fmt: skip
+    head = (scale_log2, exponent, eps)
+    grad_k = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)  # [BN, BD]
+    grad_v = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)  # [BN, BDV], without its v_y term until after the loop
+    grad_dist_sum = row_sums_init(BLOCK_N, V.dtype.element_ty, SUMS_BY_MATMUL)
+    for phase in tl.static_range(2):  # the plain tiles (all pairs allowed, off the diagonal), then the masked ones
+        tiles = plain if phase == 0 else masked
+        for index in range(0, tiles[0]):
+            grad_k, grad_v, grad_dist_sum = _dkdv_tile(
+                grad_k, grad_v, grad_dist_sum, keys, queries, head, sizes, tile_start(index, tiles, BLOCK_M),
+                HEAD_DIM=HEAD_DIM, VALUE_DIM=VALUE_DIM, BLOCK_M=BLOCK_M, POWER=POWER, MASKED=phase == 1,
+                IS_CAUSAL=IS_CAUSAL, HAS_WINDOW=HAS_WINDOW, HAS_KEY_MASK=HAS_KEY_MASK, HAS_DOCUMENTS=HAS_DOCUMENTS,
+                EULER=EULER, EXACT=PASS != FIRST_PASS, SUMS_BY_MATMUL=SUMS_BY_MATMUL,
+            )  # fmt: skip
 
     grad_v -= row_sums(grad_dist_sum)[:, None] * values.to(tl.float32)
     # The dq kernel, launched before, left each query's own-value part in float32 (the keys at or after the offset
@@ -243,46 +212,23 @@ def _dq_tile(grad_q, grad_v_own, grad_dist_sum, queries, keys, head, sizes, star
     return grad_q, grad_v_own, grad_dist_sum
 
 
-@jit
-def _dq_loop(queries, keys, head, sizes, plain, masked, HEAD_DIM: constexpr, VALUE_DIM: constexpr,
-             BLOCK_N: constexpr, POWER: constexpr, IS_CAUSAL: constexpr, HAS_WINDOW: constexpr, HAS_KEY_MASK: constexpr,
-             HAS_DOCUMENTS: constexpr, EULER: constexpr, EXACT: constexpr, SUMS_BY_MATMUL: constexpr):  # fmt: skip
-    """The plain key tiles, then the masked ones (``key_loop_bounds``), with one power class: (dQ, the query side of
-    dV without its v_x term, the distance gradient's row sums)."""
-    rows, q, grad_out = queries[0], queries[1], queries[5]
-    grad_q = tl.zeros([rows.shape[0], q.shape[1]], tl.float32)  # [BM, BD]
-    grad_v_own = tl.zeros([rows.shape[0], grad_out.shape[1]], tl.float32)  # [BM, BDV], query side of the distances
-    grad_dist_sum = row_sums_init(rows.shape[0], keys[1].dtype.element_ty, SUMS_BY_MATMUL)
-    for phase in tl.static_range(2):
-        tiles = plain if phase == 0 else masked
-        for index in range(0, tiles[0]):
-            grad_q, grad_v_own, grad_dist_sum = _dq_tile(
-                grad_q, grad_v_own, grad_dist_sum, queries, keys, head, sizes, tile_start(index, tiles, BLOCK_N),
-                HEAD_DIM=HEAD_DIM, VALUE_DIM=VALUE_DIM, BLOCK_N=BLOCK_N, POWER=POWER, MASKED=phase == 1,
-                IS_CAUSAL=IS_CAUSAL, HAS_WINDOW=HAS_WINDOW, HAS_KEY_MASK=HAS_KEY_MASK, HAS_DOCUMENTS=HAS_DOCUMENTS,
-                EULER=EULER, EXACT=EXACT, SUMS_BY_MATMUL=SUMS_BY_MATMUL,
-            )  # fmt: skip
-    return grad_q, grad_v_own, grad_dist_sum
-
-
-@jit(do_not_specialize=["high_heads"])
+@jit(do_not_specialize=["head_mask"])
 def plap_dq_kernel(
     Q, K, V, SqNorms, KeyKeep, Documents, GradOut, Lse, Delta, OwnDot, Out, OwnWeight, GradQ, GradVOwn, QueryBlocks,
-    head_start, run_heads, num_heads, num_queries, num_keys, window, scale_log2, exponent_low, exponent_high,
-    high_heads, eps,
+    head_start, run_heads, num_heads, num_queries, num_keys, window, scale_log2, exponent, head_mask, eps,
     HEAD_DIM: constexpr, VALUE_DIM: constexpr, BLOCK_D: constexpr, BLOCK_DV: constexpr, BLOCK_M: constexpr,
-    BLOCK_N: constexpr, POWER_LOW: constexpr, POWER_HIGH: constexpr, IS_CAUSAL: constexpr, HAS_WINDOW: constexpr,
-    HAS_KEY_MASK: constexpr, HAS_DOCUMENTS: constexpr, EULER: constexpr, PASS: constexpr, FLAG_BLOCK: constexpr,
-    SUMS_BY_MATMUL: constexpr,
+    BLOCK_N: constexpr, POWER: constexpr, IS_CAUSAL: constexpr, HAS_WINDOW: constexpr, HAS_KEY_MASK: constexpr,
+    HAS_DOCUMENTS: constexpr, EULER: constexpr, PASS: constexpr, FLAG_BLOCK: constexpr, SUMS_BY_MATMUL: constexpr,
 ):  # fmt: skip
     """A query block goes to the exact pass where the forward flagged one of its query blocks (FLAG_BLOCK queries)
     that holds any of this block's queries, and to the first pass otherwise."""
-    pid_m, slab, run_head = program_ids(num_queries, head_start, run_heads, num_heads, BLOCK_M, IS_CAUSAL)
+    pid_m, slab, in_launch = program_ids(num_queries, head_start, run_heads, num_heads, head_mask, BLOCK_M, IS_CAUSAL)
+    if not in_launch:
+        return
     QueryBlocks += slab * tl.cdiv(num_queries, FLAG_BLOCK)
     if PASS != EXACT_ALONE:
         if forward_flagged(QueryBlocks, pid_m * BLOCK_M, num_queries, BLOCK_M, FLAG_BLOCK) != (PASS == EXACT_PASS):
             return
-    use_high, exponent = head_exponent(run_head, high_heads, exponent_low, exponent_high)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
     K += slab * num_keys * HEAD_DIM
     V += slab * num_keys * VALUE_DIM
@@ -303,24 +249,19 @@ def plap_dq_kernel(
     sizes = (num_queries, num_keys)
     plain, masked = key_loop_bounds(pid_m, num_queries, num_keys, window, span, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_WINDOW,
                                     HAS_KEY_MASK)  # fmt: skip
-    if POWER_LOW == POWER_HIGH:
-        grad_q, grad_v_own, grad_dist_sum = _dq_loop(
-            queries, keys, (scale_log2, exponent, eps), sizes, plain, masked, HEAD_DIM=HEAD_DIM, VALUE_DIM=VALUE_DIM,
-            BLOCK_N=BLOCK_N, POWER=POWER_LOW, IS_CAUSAL=IS_CAUSAL, HAS_WINDOW=HAS_WINDOW, HAS_KEY_MASK=HAS_KEY_MASK,
-            HAS_DOCUMENTS=HAS_DOCUMENTS, EULER=EULER, EXACT=PASS != FIRST_PASS, SUMS_BY_MATMUL=SUMS_BY_MATMUL,
-        )  # fmt: skip
-    elif use_high:
-        grad_q, grad_v_own, grad_dist_sum = _dq_loop(
-            queries, keys, (scale_log2, exponent, eps), sizes, plain, masked, HEAD_DIM=HEAD_DIM, VALUE_DIM=VALUE_DIM,
-            BLOCK_N=BLOCK_N, POWER=POWER_HIGH, IS_CAUSAL=IS_CAUSAL, HAS_WINDOW=HAS_WINDOW, HAS_KEY_MASK=HAS_KEY_MASK,
-            HAS_DOCUMENTS=HAS_DOCUMENTS, EULER=EULER, EXACT=PASS != FIRST_PASS, SUMS_BY_MATMUL=SUMS_BY_MATMUL,
-        )  # fmt: skip
-    else:
-        grad_q, grad_v_own, grad_dist_sum = _dq_loop(
-            queries, keys, (scale_log2, exponent, eps), sizes, plain, masked, HEAD_DIM=HEAD_DIM, VALUE_DIM=VALUE_DIM,
-            BLOCK_N=BLOCK_N, POWER=POWER_LOW, IS_CAUSAL=IS_CAUSAL, HAS_WINDOW=HAS_WINDOW, HAS_KEY_MASK=HAS_KEY_MASK,
-            HAS_DOCUMENTS=HAS_DOCUMENTS, EULER=EULER, EXACT=PASS != FIRST_PASS, SUMS_BY_MATMUL=SUMS_BY_MATMUL,
-        )  # fmt: skip
+    head = (scale_log2, exponent, eps)
+    grad_q = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)  # [BM, BD]
+    grad_v_own = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)  # [BM, BDV], the query side of the distances' dV
+    grad_dist_sum = row_sums_init(BLOCK_M, V.dtype.element_ty, SUMS_BY_MATMUL)
+    for phase in tl.static_range(2):  # the plain tiles (all pairs allowed, off the diagonal), then the masked ones
+        tiles = plain if phase == 0 else masked
+        for index in range(0, tiles[0]):
+            grad_q, grad_v_own, grad_dist_sum = _dq_tile(
+                grad_q, grad_v_own, grad_dist_sum, queries, keys, head, sizes, tile_start(index, tiles, BLOCK_N),
+                HEAD_DIM=HEAD_DIM, VALUE_DIM=VALUE_DIM, BLOCK_N=BLOCK_N, POWER=POWER, MASKED=phase == 1,
+                IS_CAUSAL=IS_CAUSAL, HAS_WINDOW=HAS_WINDOW, HAS_KEY_MASK=HAS_KEY_MASK, HAS_DOCUMENTS=HAS_DOCUMENTS,
+                EULER=EULER, EXACT=PASS != FIRST_PASS, SUMS_BY_MATMUL=SUMS_BY_MATMUL,
+            )  # fmt: skip
 
     store_rows(GradQ + slab * num_queries * HEAD_DIM, rows, num_queries, grad_q * (scale_log2 * LN_2), HEAD_DIM)
     # dv_x += 2 sum_y dL/dD2 (v_x - v_y), plus for euler the direct dU_x (1 - rowsum W_off).

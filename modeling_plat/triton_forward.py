@@ -12,11 +12,10 @@ for the backward; small calls run the exact pass alone.
 """
 
 from .triton_tiles import (
-    EXACT_PASS, FIRST_PASS, FLOAT32_DOT, MIN_SCORE, any_set, close_bounds, distances, fixed_documents, head_exponent,
-    jit, key_loop_bounds, load_rows, load_vector, masked_scores, pair_dot, power, program_ids, store_rows, tile_start,
+    EXACT_PASS, FIRST_PASS, FLOAT32_DOT, MIN_SCORE, any_set, close_bounds, constexpr, distances, fixed_documents, jit,
+    key_loop_bounds, load_rows, load_vector, masked_scores, pair_dot, power, program_ids, store_rows, tile_start,
     times_minus_two, tl,
 )  # fmt: skip
-from .triton_tiles import constexpr as constexpr
 
 
 @jit
@@ -58,40 +57,13 @@ def _forward_tile(row_max, row_sum, off_sum, acc, queries, keys, head, sizes, st
     return new_max, row_sum, off_sum, acc, has_close
 
 
-@jit
-def _forward_loop(queries, keys, head, sizes, plain, masked, HEAD_DIM: constexpr, VALUE_DIM: constexpr,
-                  BLOCK_DV: constexpr, BLOCK_N: constexpr, POWER: constexpr, IS_CAUSAL: constexpr,
-                  HAS_WINDOW: constexpr, HAS_KEY_MASK: constexpr, HAS_DOCUMENTS: constexpr, EULER: constexpr,
-                  PASS: constexpr):  # fmt: skip
-    """The online softmax over the plain tiles, then the masked ones (``key_loop_bounds``), with one power class:
-    (row max, row sum, euler's off-diagonal sum, numerator, whether each query met close pairs)."""
-    rows = queries[0]
-    row_max = tl.full(rows.shape, MIN_SCORE, tl.float32)  # [BM]
-    row_sum = tl.zeros(rows.shape, tl.float32)
-    off_sum = tl.zeros(rows.shape, tl.float32)  # rowsum(W_off) * running normaliser, euler only
-    acc = tl.zeros([rows.shape[0], BLOCK_DV], tl.float32)  # [BM, BDV]
-    has_close = tl.zeros(rows.shape, tl.int32)  # per query: whether its tiles had close pairs
-    for phase in tl.static_range(2):
-        tiles = plain if phase == 0 else masked
-        for index in range(0, tiles[0]):
-            row_max, row_sum, off_sum, acc, close = _forward_tile(
-                row_max, row_sum, off_sum, acc, queries, keys, head, sizes, tile_start(index, tiles, BLOCK_N),
-                HEAD_DIM=HEAD_DIM, VALUE_DIM=VALUE_DIM, BLOCK_N=BLOCK_N, POWER=POWER, MASKED=phase == 1,
-                IS_CAUSAL=IS_CAUSAL, HAS_WINDOW=HAS_WINDOW, HAS_KEY_MASK=HAS_KEY_MASK, HAS_DOCUMENTS=HAS_DOCUMENTS,
-                EULER=EULER, PASS=PASS,
-            )  # fmt: skip
-            has_close |= close
-    return row_max, row_sum, off_sum, acc, has_close
-
-
-@jit(do_not_specialize=["high_heads"])  # a bit mask, not a size: one compilation serves every layout of p
+@jit(do_not_specialize=["head_mask"])  # a bit mask, not a size: one compilation serves every layout of p
 def plap_forward_kernel(
     Q, K, V, SqNorms, KeyKeep, Documents, Out, Lse, OwnWeight, ExactBlocks, KeyTiles,
-    head_start, run_heads, num_heads, num_queries, num_keys, window, scale_log2, exponent_low, exponent_high,
-    high_heads, eps,
+    head_start, run_heads, num_heads, num_queries, num_keys, window, scale_log2, exponent, head_mask, eps,
     HEAD_DIM: constexpr, VALUE_DIM: constexpr, BLOCK_D: constexpr, BLOCK_DV: constexpr, BLOCK_M: constexpr,
-    BLOCK_N: constexpr, POWER_LOW: constexpr, POWER_HIGH: constexpr, IS_CAUSAL: constexpr, HAS_WINDOW: constexpr,
-    HAS_KEY_MASK: constexpr, HAS_DOCUMENTS: constexpr, EULER: constexpr, PASS: constexpr,
+    BLOCK_N: constexpr, POWER: constexpr, IS_CAUSAL: constexpr, HAS_WINDOW: constexpr, HAS_KEY_MASK: constexpr,
+    HAS_DOCUMENTS: constexpr, EULER: constexpr, PASS: constexpr,
 ):  # fmt: skip
     """The first pass (``PASS``, ``triton_tiles.FIRST_PASS``) computes D2 + eps by the expansion alone; a block with a
     close pair in any tile stores nothing but its flag in ExactBlocks (int32 per block, written by every program), and
@@ -99,14 +71,14 @@ def plap_forward_kernel(
     with the close pairs' direct differences, and sets KeyTiles where a tile had some; the others leave at once. The
     exact path's code and registers stay out of the first pass, which fits more blocks per SM. (A flagged block's
     first-pass values may be inf or NaN where the expansion went to zero or below: never stored.) The exact pass alone
-    runs every block and reads or writes no flag. The launch's heads take two p at most (bit h of ``high_heads`` marks
-    the second's): each loop is compiled once per power class, and a program runs its head's."""
-    pid_m, slab, run_head = program_ids(num_queries, head_start, run_heads, num_heads, BLOCK_M, IS_CAUSAL)
+    runs every block and reads or writes no flag. A launch runs the heads of one p (``head_mask``, ``program_ids``)."""
+    pid_m, slab, in_launch = program_ids(num_queries, head_start, run_heads, num_heads, head_mask, BLOCK_M, IS_CAUSAL)
+    if not in_launch:
+        return
     exact_block = ExactBlocks + slab * tl.cdiv(num_queries, BLOCK_M) + pid_m
     if PASS == EXACT_PASS:
         if tl.load(exact_block) == 0:  # not flagged: leave before loading anything (the pass's grid is the first's)
             return
-    use_high, exponent = head_exponent(run_head, high_heads, exponent_low, exponent_high)
     offset = num_keys - num_queries  # query i is the token at key position offset + i
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
     K += slab * num_keys * HEAD_DIM
@@ -126,24 +98,22 @@ def plap_forward_kernel(
     sizes = (num_queries, num_keys)
     plain, masked = key_loop_bounds(pid_m, num_queries, num_keys, window, span, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_WINDOW,
                                     HAS_KEY_MASK)  # fmt: skip
-    if POWER_LOW == POWER_HIGH:
-        row_max, row_sum, off_sum, acc, has_close = _forward_loop(
-            queries, keys, (scale_log2, exponent, eps), sizes, plain, masked, HEAD_DIM=HEAD_DIM, VALUE_DIM=VALUE_DIM,
-            BLOCK_DV=BLOCK_DV, BLOCK_N=BLOCK_N, POWER=POWER_LOW, IS_CAUSAL=IS_CAUSAL, HAS_WINDOW=HAS_WINDOW,
-            HAS_KEY_MASK=HAS_KEY_MASK, HAS_DOCUMENTS=HAS_DOCUMENTS, EULER=EULER, PASS=PASS,
-        )  # fmt: skip
-    elif use_high:
-        row_max, row_sum, off_sum, acc, has_close = _forward_loop(
-            queries, keys, (scale_log2, exponent, eps), sizes, plain, masked, HEAD_DIM=HEAD_DIM, VALUE_DIM=VALUE_DIM,
-            BLOCK_DV=BLOCK_DV, BLOCK_N=BLOCK_N, POWER=POWER_HIGH, IS_CAUSAL=IS_CAUSAL, HAS_WINDOW=HAS_WINDOW,
-            HAS_KEY_MASK=HAS_KEY_MASK, HAS_DOCUMENTS=HAS_DOCUMENTS, EULER=EULER, PASS=PASS,
-        )  # fmt: skip
-    else:
-        row_max, row_sum, off_sum, acc, has_close = _forward_loop(
-            queries, keys, (scale_log2, exponent, eps), sizes, plain, masked, HEAD_DIM=HEAD_DIM, VALUE_DIM=VALUE_DIM,
-            BLOCK_DV=BLOCK_DV, BLOCK_N=BLOCK_N, POWER=POWER_LOW, IS_CAUSAL=IS_CAUSAL, HAS_WINDOW=HAS_WINDOW,
-            HAS_KEY_MASK=HAS_KEY_MASK, HAS_DOCUMENTS=HAS_DOCUMENTS, EULER=EULER, PASS=PASS,
-        )  # fmt: skip
+    head = (scale_log2, exponent, eps)
+    row_max = tl.full([BLOCK_M], MIN_SCORE, tl.float32)
+    row_sum = tl.zeros([BLOCK_M], tl.float32)
+    off_sum = tl.zeros([BLOCK_M], tl.float32)  # rowsum(W_off) * running normaliser, euler only
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)  # [BM, BDV]
+    has_close = tl.zeros([BLOCK_M], tl.int32)  # per query: whether its tiles had close pairs
+    for phase in tl.static_range(2):  # the plain tiles (all pairs allowed, off the diagonal), then the masked ones
+        tiles = plain if phase == 0 else masked
+        for index in range(0, tiles[0]):
+            row_max, row_sum, off_sum, acc, close = _forward_tile(
+                row_max, row_sum, off_sum, acc, queries, keys, head, sizes, tile_start(index, tiles, BLOCK_N),
+                HEAD_DIM=HEAD_DIM, VALUE_DIM=VALUE_DIM, BLOCK_N=BLOCK_N, POWER=POWER, MASKED=phase == 1,
+                IS_CAUSAL=IS_CAUSAL, HAS_WINDOW=HAS_WINDOW, HAS_KEY_MASK=HAS_KEY_MASK, HAS_DOCUMENTS=HAS_DOCUMENTS,
+                EULER=EULER, PASS=PASS,
+            )  # fmt: skip
+            has_close |= close
 
     if PASS == FIRST_PASS:  # a block with close pairs stores only its flag, for the exact pass
         block_flag = tl.max(has_close)

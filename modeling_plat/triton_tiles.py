@@ -60,7 +60,7 @@ INTERPRETED = triton is not None and not isinstance(_probe, triton.runtime.JITFu
 # The interpreter cannot run inline PTX: it takes numpy's logarithm instead of the MUFU one.
 HARDWARE_LOG2 = constexpr(not INTERPRETED)
 # Exponent classes of (D2 + eps) ** ((p - 2) / 2): any p through log2 and exp2, or p = 1.5 and 2.5 (the paper's) as
-# square-root chains, two special-function operations instead of three. Each loop is compiled for one class.
+# square-root chains, two special-function operations instead of three. Each launch is compiled for one class.
 POWER_ANY, POWER_MINUS_QUARTER, POWER_QUARTER = constexpr(0), constexpr(1), constexpr(2)
 POWER_CLASSES = {1.5: 1, 2.5: 2}  # p -> POWER; any other p: POWER_ANY
 # Passes of a kernel over its grid: the first (the distances' expansion alone; a forward block with close pairs stores
@@ -73,12 +73,14 @@ FIRST_PASS, EXACT_PASS, EXACT_ALONE = constexpr(0), constexpr(1), constexpr(2)
 
 
 @jit
-def program_ids(num_rows, head_start, run_heads, num_heads, BLOCK: constexpr, HEAVY_LAST: constexpr):
-    """(row block, batch * H + head, head - head_start) of this program, for a run of heads head_start ... +
-    run_heads. The grid is 1-D (CUDA caps axes 1 and 2 at 65535) and starts the longest loops first: a GPU starts
-    programs in grid order, so that the short ones fill the last wave. The slabs (batch, head) vary fastest, and the row
-    blocks go from the heaviest to the lightest: the last first where the loops grow with the block (HEAVY_LAST: query
-    blocks under causal masking), else the first. The slab index is int64, as B * H * N * d may pass 2^31."""
+def program_ids(num_rows, head_start, run_heads, num_heads, head_mask, BLOCK: constexpr, HEAVY_LAST: constexpr):
+    """(row block, batch * H + head, whether the launch runs this head) of this program, for a run of heads head_start
+    ... + run_heads of which the launch runs those whose bit in ``head_mask`` is set (the heads of one p: the power's
+    class is a compile-time constant of each launch). The grid is 1-D (CUDA caps axes 1 and 2 at 65535) and starts the
+    longest loops first: a GPU starts programs in grid order, so that the short ones fill the last wave. The slabs
+    (batch, head) vary fastest, and the row blocks go from the heaviest to the lightest: the last first where the
+    loops grow with the block (HEAVY_LAST: query blocks under causal masking), else the first. The slab index is
+    int64, as B * H * N * d may pass 2^31."""
     pid = tl.program_id(0)
     num_blocks = tl.cdiv(num_rows, BLOCK)
     slabs = tl.num_programs(0) // num_blocks
@@ -87,15 +89,8 @@ def program_ids(num_rows, head_start, run_heads, num_heads, BLOCK: constexpr, HE
         block = num_blocks - 1 - block
     slab = pid % slabs
     run_head = slab % run_heads
-    return block, (slab // run_heads).to(tl.int64) * num_heads + head_start + run_head, run_head
-
-
-@jit
-def head_exponent(run_head, high_heads, exponent_low, exponent_high):
-    """(whether this program's head takes the launch's second p, its exponent (p - 2) / 2): bit ``run_head`` of
-    ``high_heads`` is set for the heads of the second p."""
-    use_high = ((high_heads >> run_head) & 1) != 0
-    return use_high, tl.where(use_high, exponent_high, exponent_low)
+    in_launch = ((head_mask >> run_head) & 1) != 0
+    return block, (slab // run_heads).to(tl.int64) * num_heads + head_start + run_head, in_launch
 
 
 @jit

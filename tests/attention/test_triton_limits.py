@@ -191,11 +191,18 @@ def test_a_launch_failure_names_the_configuration(monkeypatch):
     [(1.5,) * 4 + (2.5,) * 4, (1.5, 2.5, 3.0, 3.0, 1.5), (1.5,) * 20 + (2.5,) * 20, (1.1, 1.5, 2.0, 2.5, 3.0), (2.5,)],
 )
 def test_launch_groups_cover_every_head_once_with_its_p(p):
-    groups = triton_module.launch_groups(p)
-    assert [first for first, *_ in groups] == [0] + [end for _, end, *_ in groups[:-1]] and groups[-1][1] == len(p)
-    for first, end, low, high, high_heads in groups:
-        assert end - first <= triton_module.MAX_LAUNCH_HEADS and -(2**31) <= high_heads < 2**31  # an int32
-        assert [high if (high_heads >> (h - first)) & 1 else low for h in range(first, end)] == list(p[first:end])
+    """Every head runs in exactly one launch, the one of its p; a launch's heads lie in one run of consecutive heads
+    with at most two values of p and at most MAX_LAUNCH_HEADS heads."""
+    launches = triton_module.launch_groups(p)
+    ran = {}
+    for first, end, value, head_mask in launches:
+        assert end - first <= triton_module.MAX_LAUNCH_HEADS and -(2**31) <= head_mask < 2**31  # an int32
+        assert len({p[h] for h in range(first, end)}) <= 2
+        for h in range(first, end):
+            if (head_mask >> (h - first)) & 1:
+                assert h not in ran and p[h] == value
+                ran[h] = value
+    assert sorted(ran) == list(range(len(p)))
 
 
 ALLOCATIONS = {"empty", "empty_like", "new_empty", "detach"}
@@ -219,7 +226,7 @@ class OpNames(TorchDispatchMode):
 def test_a_call_runs_the_kernels_and_allocations_only(monkeypatch, formulation, pairs_over_limit):
     """The host work of a bfloat16 forward + backward, launches recorded instead of run: the values' squared norms
     (a norm and its square), each kernel's two passes (forward, dQ, dK/dV) or, up to ONE_PASS_PAIRS, its exact pass
-    alone, and no other tensor operation but allocations and views: no cast, row statistic, zero gradient or flag
+    alone, for each of the two p, and no other tensor operation but allocations and views: no cast, row statistic, zero gradient or flag
     fill (the first pass zeroes the flags it needs zeroed), each of which is a kernel and its host time on a GPU."""
     launches = []
     monkeypatch.setattr(triton_module, "_run", lambda launch, query, value: launches.append(
@@ -232,16 +239,19 @@ def test_a_call_runs_the_kernels_and_allocations_only(monkeypatch, formulation, 
         out = plap_attention(q, k, v, (1.5, 1.5, 2.5, 2.5), is_causal=True, backend="triton", formulation=formulation)
         grads = torch.autograd.grad(out, (q, k, v), grad)
     passes = (False, True) if pairs_over_limit else (True,)
-    assert launches == [(f"plap_{kernel}_kernel", exact) for kernel in ("forward", "dq", "dkdv")
+    assert launches == [(f"plap_{kernel}_kernel", exact) for kernel in ("forward", "dq", "dkdv") for _ in (1.5, 2.5)
                         for exact in passes]  # fmt: skip
     computed = [name for name in ops.names if name not in ALLOCATIONS]
     assert computed == ["linalg_vector_norm", "pow_"], ops.names
     assert [g.dtype for g in grads] == [torch.bfloat16] * 3
 
 
-def test_the_paper_mix_is_one_launch_per_kernel():
+def test_the_paper_mix_is_one_launch_per_power_class():
+    """Each kernel pass runs once for the p = 1.5 heads and once for the p = 2.5 heads, interleaved as they may be:
+    the power's square-root chain is a compile-time constant of each launch, whose grid covers every head of the run
+    and whose programs of the other p's heads leave at once."""
     batch, heads, length, head_dim = 2, 8, 100, 16
-    p = tuple(1.5 if h < heads // 2 else 2.5 for h in range(heads))
+    p = (1.5, 2.5, 2.5, 1.5, 1.5, 2.5, 1.5, 2.5)
     query = torch.zeros(batch, heads, length, head_dim)
     stats, sq_norms = torch.zeros(batch, heads, length), torch.zeros(batch, heads, length)
     flags = (p, True, 1e-6, False, triton_configs.INTERPRETER_CONFIG)
@@ -252,9 +262,14 @@ def test_the_paper_mix_is_one_launch_per_kernel():
     backward = triton_module.backward_launches(query, query, query, sq_norms, None, None, query, query, stats, stats,
                                                stats, stats, query, query, query, query, exact_blocks,
                                                *flags)  # fmt: skip
-    assert [(launch.kernel.__name__, bool(launch.meta["PASS"])) for launch in forward + backward] == [
-        (f"plap_{kernel}_kernel", exact) for kernel in ("forward", "dq", "dkdv") for exact in (False, True)
+    # Bit h: head h runs in the launch of that class.
+    masks = {1: sum(1 << h for h in range(heads) if p[h] == 1.5), 2: sum(1 << h for h in range(heads) if p[h] == 2.5)}
+    launched = [(launch.kernel.__name__, launch.meta["POWER"], bool(launch.meta["PASS"])) for launch in forward + backward]
+    assert launched == [
+        (f"plap_{kernel}_kernel", power, exact) for kernel in ("forward", "dq", "dkdv") for power in (1, 2)
+        for exact in (False, True)
     ]  # fmt: skip
     for launch in forward + backward:
-        assert (launch.meta["POWER_LOW"], launch.meta["POWER_HIGH"]) == (1, 2)  # both square-root chains compiled
+        assert launch.args[-2] == masks[launch.meta["POWER"]]  # the head mask, before eps
+        assert launch.args[-3] == (1.5 if launch.meta["POWER"] == 1 else 2.5) / 2 - 1  # (p - 2) / 2
         assert launch.grid == (2 * batch * heads,)  # two 64-row blocks per head, every head
