@@ -15,8 +15,10 @@ forward's exact pass flagged a key tile holding any of its keys; each pass leave
 calls run the exact pass alone over every block.
 """
 
+from __future__ import annotations
+
 from .triton_tiles import (
-    EXACT_ALONE, EXACT_PASS, FIRST_PASS, FLOAT32_DOT, LN_2, any_set, class_exponent, close_bounds, constexpr, distances,
+    EXACT_ALONE, EXACT_PASS, FIRST_PASS, FLOAT32_DOT, LN_2, any_set, class_exponent, close_bounds, distances,
     exact_dot, fixed_documents, forward_flagged, jit, key_loop_bounds, load_rows, load_vector, masked_scores, pair_dot,
     per_query, power, program_ids, query_loop_bounds, row_ptrs, row_sums, row_sums_init, store_rows, tile_start,
     times_minus_two, tl,
@@ -25,9 +27,9 @@ from .triton_tiles import (
 
 @jit
 def _tile_grads(q, k, query_side, key_side, bounds, grad_out, row_stats, V, rows, cols, sizes, masks, head,
-                VALUE_DIM: constexpr, POWER: constexpr, MASKED: constexpr, IS_CAUSAL: constexpr, HAS_WINDOW: constexpr,
-                HAS_KEY_MASK: constexpr, HAS_DOCUMENTS: constexpr, EULER: constexpr, QUERY_AXIS: constexpr,
-                EXACT: constexpr):  # fmt: skip
+                VALUE_DIM: tl.constexpr, POWER: tl.constexpr, MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr,
+                HAS_WINDOW: tl.constexpr, HAS_KEY_MASK: tl.constexpr, HAS_DOCUMENTS: tl.constexpr, EULER: tl.constexpr,
+                QUERY_AXIS: tl.constexpr, EXACT: tl.constexpr):  # fmt: skip
     """Recompute one tile (``query_side`` and ``key_side`` as ``distances`` takes them): W (W_off for euler), dS and
     -2 dL/dD2 (0 where D2 + eps is eps: self and coinciding pairs, whose exact gradient through D2 is 0 and whose
     computed one would be rounding), and whether it has close pairs (without EXACT their distances stay expanded: the
@@ -63,8 +65,8 @@ def _tile_grads(q, k, query_side, key_side, bounds, grad_out, row_stats, V, rows
 
 
 @jit
-def _query_side(slab, rows, V, SqNorms, GradOut, Lse, Delta, OwnDot, num_queries, num_keys, VALUE_DIM: constexpr,
-                BLOCK_DV: constexpr, LOAD_STATS: constexpr, CHECK_ROWS: constexpr):  # fmt: skip
+def _query_side(slab, rows, V, SqNorms, GradOut, Lse, Delta, OwnDot, num_queries, num_keys, VALUE_DIM: tl.constexpr,
+                BLOCK_DV: tl.constexpr, LOAD_STATS: tl.constexpr, CHECK_ROWS: tl.constexpr):  # fmt: skip
     """What a backward tile needs of a block of queries besides q: own values [BM, BDV], their squared norms (without
     eps: the fixed block's carry it), dU [BM, BDV], the logsumexp, and (``LOAD_STATS``) the row statistics [BM]."""
     offset = num_keys - num_queries
@@ -82,8 +84,8 @@ def _query_side(slab, rows, V, SqNorms, GradOut, Lse, Delta, OwnDot, num_queries
 
 
 @jit
-def _row_stats(Out, Delta, OwnDot, slab, rows, grad_out, v_query, num_queries, VALUE_DIM: constexpr,
-               EULER: constexpr):  # fmt: skip
+def _row_stats(Out, Delta, OwnDot, slab, rows, grad_out, v_query, num_queries, VALUE_DIM: tl.constexpr,
+               EULER: tl.constexpr):  # fmt: skip
     """FlashAttention's D = rowsum(dU * U) of the dq kernel's own queries, in float32 from the stored operands;
     euler subtracts the own-value part dU . v_x (its ``own_dot``), which the paper formulation never reads. Stored
     for the dkdv kernel, launched after, whose loops read every query's: by the pass that runs the block."""
@@ -105,10 +107,11 @@ def _row_stats(Out, Delta, OwnDot, slab, rows, grad_out, v_query, num_queries, V
 
 
 @jit
-def _dkdv_tile(grad_k, grad_v, grad_dist_sum, keys, queries, head, sizes, start, HEAD_DIM: constexpr,
-               VALUE_DIM: constexpr, BLOCK_M: constexpr, POWER: constexpr, MASKED: constexpr, IS_CAUSAL: constexpr,
-               HAS_WINDOW: constexpr, HAS_KEY_MASK: constexpr, HAS_DOCUMENTS: constexpr, EULER: constexpr,
-               EXACT: constexpr, SUMS_BY_MATMUL: constexpr):  # fmt: skip
+def _dkdv_tile(grad_k, grad_v, grad_dist_sum, keys, queries, head, sizes, start, HEAD_DIM: tl.constexpr,
+               VALUE_DIM: tl.constexpr, BLOCK_M: tl.constexpr, POWER: tl.constexpr, MASKED: tl.constexpr,
+               IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
+               HAS_DOCUMENTS: tl.constexpr, EULER: tl.constexpr, EXACT: tl.constexpr,
+               SUMS_BY_MATMUL: tl.constexpr):  # fmt: skip
     """dK, dV and the distance gradient's row sums after the query tile at ``start``; (keys, queries) tiles."""
     cols, k, values, sq_keys_eps, bounds = keys
     slab, Q, V, SqNorms, GradOut, Lse, Delta, OwnDot, masks = queries
@@ -136,9 +139,10 @@ def _dkdv_tile(grad_k, grad_v, grad_dist_sum, keys, queries, head, sizes, start,
 def plap_dkdv_kernel(
     Q, K, V, SqNorms, KeyKeep, Documents, GradOut, Lse, Delta, OwnDot, GradVOwn, GradK, GradV, KeyTiles,
     head_start, run_heads, num_heads, num_queries, num_keys, window, scale_log2, exponent, head_mask, eps,
-    HEAD_DIM: constexpr, VALUE_DIM: constexpr, BLOCK_D: constexpr, BLOCK_DV: constexpr, BLOCK_M: constexpr,
-    BLOCK_N: constexpr, POWER: constexpr, IS_CAUSAL: constexpr, HAS_WINDOW: constexpr, HAS_KEY_MASK: constexpr,
-    HAS_DOCUMENTS: constexpr, EULER: constexpr, PASS: constexpr, FLAG_BLOCK: constexpr, SUMS_BY_MATMUL: constexpr,
+    HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, POWER: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_KEY_MASK: tl.constexpr, HAS_DOCUMENTS: tl.constexpr, EULER: tl.constexpr,
+    PASS: tl.constexpr, FLAG_BLOCK: tl.constexpr, SUMS_BY_MATMUL: tl.constexpr,
 ):  # fmt: skip
     """A key block goes to the exact pass where the forward's exact pass flagged a key tile (FLAG_BLOCK keys) that
     holds any of its keys, and to the first pass otherwise."""
@@ -190,10 +194,10 @@ def plap_dkdv_kernel(
 
 
 @jit
-def _dq_tile(grad_q, grad_v_own, grad_dist_sum, queries, keys, head, sizes, start, HEAD_DIM: constexpr,
-             VALUE_DIM: constexpr, BLOCK_N: constexpr, POWER: constexpr, MASKED: constexpr, IS_CAUSAL: constexpr,
-             HAS_WINDOW: constexpr, HAS_KEY_MASK: constexpr, HAS_DOCUMENTS: constexpr, EULER: constexpr,
-             EXACT: constexpr, SUMS_BY_MATMUL: constexpr):  # fmt: skip
+def _dq_tile(grad_q, grad_v_own, grad_dist_sum, queries, keys, head, sizes, start, HEAD_DIM: tl.constexpr,
+             VALUE_DIM: tl.constexpr, BLOCK_N: tl.constexpr, POWER: tl.constexpr, MASKED: tl.constexpr,
+             IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_KEY_MASK: tl.constexpr, HAS_DOCUMENTS: tl.constexpr,
+             EULER: tl.constexpr, EXACT: tl.constexpr, SUMS_BY_MATMUL: tl.constexpr):  # fmt: skip
     """dQ, the query side of dV and the distance gradient's row sums after the key tile at ``start``."""
     rows, q, v_query_m2, sq_query_eps, bounds, grad_out, row_stats = queries
     K, V, SqNorms, masks = keys
@@ -216,9 +220,10 @@ def _dq_tile(grad_q, grad_v_own, grad_dist_sum, queries, keys, head, sizes, star
 def plap_dq_kernel(
     Q, K, V, SqNorms, KeyKeep, Documents, GradOut, Lse, Delta, OwnDot, Out, OwnWeight, GradQ, GradVOwn, QueryBlocks,
     head_start, run_heads, num_heads, num_queries, num_keys, window, scale_log2, exponent, head_mask, eps,
-    HEAD_DIM: constexpr, VALUE_DIM: constexpr, BLOCK_D: constexpr, BLOCK_DV: constexpr, BLOCK_M: constexpr,
-    BLOCK_N: constexpr, POWER: constexpr, IS_CAUSAL: constexpr, HAS_WINDOW: constexpr, HAS_KEY_MASK: constexpr,
-    HAS_DOCUMENTS: constexpr, EULER: constexpr, PASS: constexpr, FLAG_BLOCK: constexpr, SUMS_BY_MATMUL: constexpr,
+    HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, POWER: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_KEY_MASK: tl.constexpr, HAS_DOCUMENTS: tl.constexpr, EULER: tl.constexpr,
+    PASS: tl.constexpr, FLAG_BLOCK: tl.constexpr, SUMS_BY_MATMUL: tl.constexpr,
 ):  # fmt: skip
     """A query block goes to the exact pass where the forward flagged one of its query blocks (FLAG_BLOCK queries)
     that holds any of this block's queries, and to the first pass otherwise."""

@@ -11,18 +11,20 @@ over the blocks where it met close pairs of values (``distances``), which also f
 for the backward; small calls run the exact pass alone.
 """
 
+from __future__ import annotations
+
 from .triton_tiles import (
-    EXACT_PASS, FIRST_PASS, FLOAT32_DOT, MIN_SCORE, any_set, close_bounds, constexpr, distances, fixed_documents, jit,
+    EXACT_PASS, FIRST_PASS, FLOAT32_DOT, MIN_SCORE, any_set, close_bounds, distances, fixed_documents, jit,
     key_loop_bounds, load_rows, load_vector, masked_scores, pair_dot, power, program_ids, store_rows, tile_start,
     times_minus_two, tl,
 )  # fmt: skip
 
 
 @jit
-def _forward_tile(row_max, row_sum, off_sum, acc, queries, keys, head, sizes, start, HEAD_DIM: constexpr,
-                  VALUE_DIM: constexpr, BLOCK_N: constexpr, POWER: constexpr, MASKED: constexpr, IS_CAUSAL: constexpr,
-                  HAS_WINDOW: constexpr, HAS_KEY_MASK: constexpr, HAS_DOCUMENTS: constexpr, EULER: constexpr,
-                  PASS: constexpr):  # fmt: skip
+def _forward_tile(row_max, row_sum, off_sum, acc, queries, keys, head, sizes, start, HEAD_DIM: tl.constexpr,
+                  VALUE_DIM: tl.constexpr, BLOCK_N: tl.constexpr, POWER: tl.constexpr, MASKED: tl.constexpr,
+                  IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
+                  HAS_DOCUMENTS: tl.constexpr, EULER: tl.constexpr, PASS: tl.constexpr):  # fmt: skip
     """The online softmax's state after the key tile at ``start``, and which of the block's queries met close pairs
     in it (the exact pass after a first one flags its key tile for the backward)."""
     rows, q, v_query_m2, sq_query_eps, bounds = queries
@@ -61,9 +63,10 @@ def _forward_tile(row_max, row_sum, off_sum, acc, queries, keys, head, sizes, st
 def plap_forward_kernel(
     Q, K, V, SqNorms, KeyKeep, Documents, Out, Lse, OwnWeight, ExactBlocks, KeyTiles,
     head_start, run_heads, num_heads, num_queries, num_keys, window, scale_log2, exponent, head_mask, eps,
-    HEAD_DIM: constexpr, VALUE_DIM: constexpr, BLOCK_D: constexpr, BLOCK_DV: constexpr, BLOCK_M: constexpr,
-    BLOCK_N: constexpr, POWER: constexpr, IS_CAUSAL: constexpr, HAS_WINDOW: constexpr, HAS_KEY_MASK: constexpr,
-    HAS_DOCUMENTS: constexpr, EULER: constexpr, PASS: constexpr,
+    HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, POWER: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_KEY_MASK: tl.constexpr, HAS_DOCUMENTS: tl.constexpr, EULER: tl.constexpr,
+    PASS: tl.constexpr,
 ):  # fmt: skip
     """The first pass (``PASS``, ``triton_tiles.FIRST_PASS``) computes D2 + eps by the expansion alone; a block with a
     close pair in any tile stores nothing but its flag in ExactBlocks (int32 per block, written by every program), and

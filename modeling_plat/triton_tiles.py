@@ -12,6 +12,8 @@ kernels are then never launched. On CPU they run under the Triton interpreter wh
 import.
 """
 
+from __future__ import annotations
+
 import math
 
 from .plap_attention_reference import CLOSE_PAIR as _CLOSE_PAIR
@@ -73,7 +75,7 @@ FIRST_PASS, EXACT_PASS, EXACT_ALONE = constexpr(0), constexpr(1), constexpr(2)
 
 
 @jit
-def program_ids(num_rows, head_start, run_heads, num_heads, head_mask, BLOCK: constexpr, HEAVY_LAST: constexpr):
+def program_ids(num_rows, head_start, run_heads, num_heads, head_mask, BLOCK: tl.constexpr, HEAVY_LAST: tl.constexpr):
     """(row block, batch * H + head, whether the launch runs this head) of this program, for a run of heads head_start
     ... + run_heads of which the launch runs those whose bit in ``head_mask`` is set (the heads of one p: the power's
     class is a compile-time constant of each launch). The grid is 1-D (CUDA caps axes 1 and 2 at 65535) and starts the
@@ -94,14 +96,14 @@ def program_ids(num_rows, head_start, run_heads, num_heads, head_mask, BLOCK: co
 
 
 @jit
-def row_ptrs(ptr, rows, COLS: constexpr, BLOCK_COLS: constexpr):
+def row_ptrs(ptr, rows, COLS: tl.constexpr, BLOCK_COLS: tl.constexpr):
     """Pointers and mask of rows of a contiguous (rows, COLS) matrix, padded to BLOCK_COLS columns."""
     cols = tl.arange(0, BLOCK_COLS)
     return ptr + rows[:, None] * COLS + cols[None, :], cols[None, :] < COLS
 
 
 @jit
-def load_rows(ptr, rows, num_rows, COLS: constexpr, BLOCK_COLS: constexpr, CHECK_ROWS: constexpr = True):
+def load_rows(ptr, rows, num_rows, COLS: tl.constexpr, BLOCK_COLS: tl.constexpr, CHECK_ROWS: tl.constexpr = True):
     """(len(rows), BLOCK_COLS) tile of a contiguous (num_rows, COLS) matrix; zeros outside it. A plain tile's rows are
     all inside (CHECK_ROWS false): its loads skip the per-row predicates, which cost a loop iteration instructions."""
     ptrs, col_in = row_ptrs(ptr, rows, COLS, BLOCK_COLS)
@@ -115,7 +117,7 @@ def load_rows(ptr, rows, num_rows, COLS: constexpr, BLOCK_COLS: constexpr, CHECK
 
 
 @jit
-def load_vector(ptr, index, size, other, CHECK: constexpr = True):
+def load_vector(ptr, index, size, other, CHECK: tl.constexpr = True):
     """ptr[index], ``other`` where index >= size (CHECK false: every index is inside)."""
     if CHECK:
         vector = tl.load(ptr + index, mask=index < size, other=other)
@@ -125,7 +127,7 @@ def load_vector(ptr, index, size, other, CHECK: constexpr = True):
 
 
 @jit
-def store_rows(ptr, rows, num_rows, tile, COLS: constexpr):
+def store_rows(ptr, rows, num_rows, tile, COLS: tl.constexpr):
     """Stores the rows of ``tile`` that lie inside a contiguous (num_rows, COLS) matrix, in its dtype."""
     ptrs, col_in = row_ptrs(ptr, rows, COLS, tile.shape[1])
     tl.store(ptrs, tile.to(ptr.dtype.element_ty), mask=(rows[:, None] < num_rows) & col_in)
@@ -154,7 +156,7 @@ def _reciprocal(x):
 
 
 @jit
-def power(dist_eps, exponent, POWER: constexpr):
+def power(dist_eps, exponent, POWER: tl.constexpr):
     """P = dist_eps ** exponent and 1 / dist_eps, with approximate special functions (relative error ~2^-22). The
     paper's classes take square roots: rsqrt then sqrt for -1/4 (1 / dist_eps its square), two sqrt for 1/4 and a
     reciprocal (the forward, which needs no 1 / dist_eps, drops it unused)."""
@@ -169,7 +171,7 @@ def power(dist_eps, exponent, POWER: constexpr):
 
 
 @jit
-def class_exponent(exponent, POWER: constexpr):
+def class_exponent(exponent, POWER: tl.constexpr):
     """The exponent (p - 2) / 2, a compile-time constant where its class fixes it."""
     if POWER == POWER_MINUS_QUARTER:
         exponent = -0.25
@@ -182,13 +184,13 @@ def class_exponent(exponent, POWER: constexpr):
 
 
 @jit
-def _split_high(x, MASK: constexpr):
+def _split_high(x, MASK: tl.constexpr):
     """x with the low mantissa bits that MASK clears set to zero (exact in the narrower type that keeps the rest)."""
     return (x.to(tl.uint32, bitcast=True) & MASK).to(tl.float32, bitcast=True)
 
 
 @jit
-def row_sums_init(rows: constexpr, values_dtype: constexpr, BY_MATMUL: constexpr):
+def row_sums_init(rows: tl.constexpr, values_dtype: tl.constexpr, BY_MATMUL: tl.constexpr):
     """The zero accumulator of ``exact_dot``'s row sums: (rows, SUM_COLUMNS) where a matmul forms them, (rows,)
     otherwise."""
     if BY_MATMUL and values_dtype == tl.bfloat16:
@@ -207,7 +209,7 @@ def row_sums(sums):
 
 
 @jit
-def _part_dot(part, b, acc, sums, BY_MATMUL: constexpr):
+def _part_dot(part, b, acc, sums, BY_MATMUL: tl.constexpr):
     """``exact_dot``'s matmul and row sums of one bfloat16 part."""
     part = part.to(tl.bfloat16)
     if BY_MATMUL:
@@ -218,7 +220,7 @@ def _part_dot(part, b, acc, sums, BY_MATMUL: constexpr):
 
 
 @jit
-def exact_dot(a, b, acc, sums, EXACT: constexpr, SUMS_BY_MATMUL: constexpr):
+def exact_dot(a, b, acc, sums, EXACT: tl.constexpr, SUMS_BY_MATMUL: tl.constexpr):
     """(acc + a @ b, sums + rowsum(a)) for a float32 ``a`` (a distance gradient) and half-precision ``b``, whose
     products are exact: ``a`` alone is rounded or split. The caller forms rowsum(a) v_x - a V, whose terms cancel
     where values are near: against bfloat16 the row sums come from the very parts the matmul takes (a matmul against
@@ -253,19 +255,19 @@ def exact_dot(a, b, acc, sums, EXACT: constexpr, SUMS_BY_MATMUL: constexpr):
 
 
 @jit
-def per_query(vector, QUERY_AXIS: constexpr):
+def per_query(vector, QUERY_AXIS: tl.constexpr):
     """A vector over the queries of a tile, broadcastable against the tile."""
     return tl.expand_dims(vector, 1 - QUERY_AXIS)
 
 
 @jit
-def per_key(vector, QUERY_AXIS: constexpr):
+def per_key(vector, QUERY_AXIS: tl.constexpr):
     """A vector over the keys of a tile, broadcastable against the tile."""
     return tl.expand_dims(vector, QUERY_AXIS)
 
 
 @jit
-def pair_dot(query_side, key_side, QUERY_AXIS: constexpr, acc=None):
+def pair_dot(query_side, key_side, QUERY_AXIS: tl.constexpr, acc=None):
     """The tile of dot products of query-side rows [BM, d] with key-side rows [BN, d], added to ``acc`` if given."""
     if QUERY_AXIS == 0:
         tile = tl.dot(query_side, tl.trans(key_side), acc, input_precision=FLOAT32_DOT)
@@ -275,7 +277,7 @@ def pair_dot(query_side, key_side, QUERY_AXIS: constexpr, acc=None):
 
 
 @jit
-def fixed_documents(Documents, slab, num_heads, positions, num_keys, HAS_DOCUMENTS: constexpr):
+def fixed_documents(Documents, slab, num_heads, positions, num_keys, HAS_DOCUMENTS: tl.constexpr):
     """What the tiles of a kernel's fixed block need of packed documents: (the row of the document table,
     the block's document ids, their smallest and largest id), and the span (first, end) of positions that
     its tokens may pair with. Without documents, the span of the whole row."""
@@ -293,8 +295,9 @@ def fixed_documents(Documents, slab, num_heads, positions, num_keys, HAS_DOCUMEN
 
 
 @jit
-def masked_scores(scores, rows, cols, sizes, masks, MASKED: constexpr, IS_CAUSAL: constexpr, HAS_WINDOW: constexpr,
-                  HAS_KEY_MASK: constexpr, HAS_DOCUMENTS: constexpr, QUERY_AXIS: constexpr):  # fmt: skip
+def masked_scores(scores, rows, cols, sizes, masks, MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr,
+                  HAS_WINDOW: tl.constexpr, HAS_KEY_MASK: tl.constexpr, HAS_DOCUMENTS: tl.constexpr,
+                  QUERY_AXIS: tl.constexpr):  # fmt: skip
     """-inf where query ``rows`` may not attend to key ``cols`` (out of range, causal, outside the sliding window,
     padding, another document); tiles that the loop split proves whole and allowed (MASKED false) skip the test, and
     with documents they compare ids only where the tile's tokens are not all of the fixed block's one document.
@@ -331,7 +334,7 @@ def masked_scores(scores, rows, cols, sizes, masks, MASKED: constexpr, IS_CAUSAL
 
 
 @jit
-def close_bounds(sq_fixed_eps, eps, QUERY_AXIS: constexpr):
+def close_bounds(sq_fixed_eps, eps, QUERY_AXIS: tl.constexpr):
     """Per row of a kernel's fixed block, the distance (D2 + eps) at or below which a plain tile's row has a close pair.
     Queries (forward, dq): the pair rule itself, CLOSE_PAIR (|v_x|^2 + eps) + eps. Keys (dkdv's exact pass): a wider
     net computed once per program, 2 CLOSE_PAIR (|v_y|^2 + eps) + eps, which holds every pair that the rule calls close
@@ -356,8 +359,8 @@ def any_set(flags):
 
 
 @jit
-def distances(query_side, key_side, bounds, V, rows, cols, num_keys, offset, eps, VALUE_DIM: constexpr,
-              MASKED: constexpr, QUERY_AXIS: constexpr, EXACT: constexpr):  # fmt: skip
+def distances(query_side, key_side, bounds, V, rows, cols, num_keys, offset, eps, VALUE_DIM: tl.constexpr,
+              MASKED: tl.constexpr, QUERY_AXIS: tl.constexpr, EXACT: tl.constexpr):  # fmt: skip
     """D2 + eps of a tile from the squared norms and the values, the self-pair tile (all false where the loop split
     excludes self pairs, MASKED false), and which rows of the tile (the fixed block's) have close pairs (int32 per row:
     a loop accumulates them without reducing across warps in every tile). ``query_side`` and ``key_side`` are (values,
@@ -410,7 +413,7 @@ def distances(query_side, key_side, bounds, V, rows, cols, num_keys, offset, eps
 
 
 @jit
-def _loop_split(begin, a, b, c, end, span, BLOCK: constexpr):
+def _loop_split(begin, a, b, c, end, span, BLOCK: tl.constexpr):
     """The tiles of a loop over [begin, end) as two lists: plain tiles [begin, a) and [b, c), whose pairs are
     all allowed (but for packed documents), in range and off the diagonal, and masked tiles [a, b) and
     [max(b, c), end); tiles outside the span (first, end) of positions that the fixed block pairs with are
@@ -430,15 +433,15 @@ def _loop_split(begin, a, b, c, end, span, BLOCK: constexpr):
 
 
 @jit
-def tile_start(index, tiles, BLOCK: constexpr):
+def tile_start(index, tiles, BLOCK: tl.constexpr):
     """The first position of tile ``index`` of a ``_loop_split`` list."""
     first_count, first_start, second_start = tiles[1], tiles[2], tiles[3]
     return tl.where(index < first_count, first_start + index * BLOCK, second_start + (index - first_count) * BLOCK)
 
 
 @jit
-def key_loop_bounds(pid_m, num_queries, num_keys, window, span, BLOCK_M: constexpr, BLOCK_N: constexpr,
-                    IS_CAUSAL: constexpr, HAS_WINDOW: constexpr, HAS_KEY_MASK: constexpr):  # fmt: skip
+def key_loop_bounds(pid_m, num_queries, num_keys, window, span, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_KEY_MASK: tl.constexpr):  # fmt: skip
     """The plain and masked tiles of a query block's loop over key blocks (forward and dq). A sliding window (causal)
     starts the loop at the tile of the block's first query's first key, masks the tiles that the window's edge crosses
     and leaves the keys below it unvisited: O(window) tiles per block."""
@@ -470,8 +473,8 @@ def key_loop_bounds(pid_m, num_queries, num_keys, window, span, BLOCK_M: constex
 
 
 @jit
-def query_loop_bounds(pid_n, num_queries, num_keys, window, span, BLOCK_M: constexpr, BLOCK_N: constexpr,
-                      IS_CAUSAL: constexpr, HAS_WINDOW: constexpr, HAS_KEY_MASK: constexpr):  # fmt: skip
+def query_loop_bounds(pid_n, num_queries, num_keys, window, span, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_KEY_MASK: tl.constexpr):  # fmt: skip
     """The plain and masked tiles of a key block's loop over query blocks (dkdv); under a sliding window (causal) the
     loop ends after the last query whose window holds one of the block's keys."""
     offset = num_keys - num_queries
@@ -502,7 +505,7 @@ def query_loop_bounds(pid_n, num_queries, num_keys, window, span, BLOCK_M: const
 
 
 @jit
-def forward_flagged(Flags, first, size, SPAN: constexpr, FLAG_BLOCK: constexpr):
+def forward_flagged(Flags, first, size, SPAN: tl.constexpr, FLAG_BLOCK: tl.constexpr):
     """Whether the forward flagged a block of FLAG_BLOCK positions that holds any of [first, first + SPAN) (below
     ``size``): a backward program's own flag, its block's queries (dq) or keys (dk/dv) against the forward's query
     blocks or key tiles."""
