@@ -28,7 +28,7 @@ from transformers.masking_utils import (
 )
 
 from .configuration_plat import PlatConfigBase, paper_p_mix
-from .plap_attention import BACKENDS, plap_attention
+from .plap_dispatch import BACKENDS, plap_attention
 from .plap_attention_reference import FORMULATIONS, plap_attention_eager
 
 ATTN_IMPLEMENTATION = "plap"

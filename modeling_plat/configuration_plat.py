@@ -12,7 +12,7 @@ from transformers.activations import ACT2FN
 from transformers.utils import logging
 
 from .cache_name import CACHE_NAME
-from .plap_attention import BACKENDS, FORMULATIONS
+from .plap_dispatch import BACKENDS, FORMULATIONS
 
 logger = logging.get_logger(__name__)
 
@@ -61,7 +61,7 @@ class PlatConfigBase(PretrainedConfig):
         plap_formulation (`str`, defaults to `"paper"`): `"paper"` (eq. 12) or `"euler"` (exact Euler step
             of the gradient flow, no self-weight singularity); `"noself"` and `"selfweight"` split eq. 12 into
             its weighting of the other tokens and its self-weight (the eager backend runs them).
-        plap_backend (`str`, defaults to `"auto"`): attention kernel, see `modeling_plat.plap_attention.BACKENDS`.
+        plap_backend (`str`, defaults to `"auto"`): attention kernel, see `modeling_plat.plap_dispatch.BACKENDS`.
         plat_config_version (`int`): format version of this config; a newer one than the code knows is refused.
     """
 

@@ -29,7 +29,7 @@ from transformers.utils.generic import can_return_tuple
 from .cache_name import CACHE_NAME, given_cache
 from .configuration_plat import PlatConfig, PlatConfigBase, PlatVisionConfig
 from .packing import packed_document_ids
-from .plap_attention import plap_attention
+from .plap_dispatch import plap_attention
 from .plap_attention_reference import plap_attention_eager
 
 logger = logging.get_logger(__name__)

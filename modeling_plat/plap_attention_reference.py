@@ -102,7 +102,7 @@ def plap_attention_weights(
 
     paper: M = A * P.  euler: M = W_off + diag(1 - rowsum(W_off)) with W_off = A * P off the self pairs.
     ``p`` is a sequence of floats or an (H,) tensor (which may require grad). Rows whose every key is masked
-    are zero. Inputs are assumed checked (see ``plap_attention.plap_attention``).
+    are zero. Inputs are assumed checked (see ``plap_dispatch.plap_attention``).
     """
     with torch.autocast(query.device.type, enabled=False):  # autocast would run the matmuls in half precision
         compute_dtype = torch.promote_types(query.dtype, torch.float32)

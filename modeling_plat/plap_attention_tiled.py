@@ -1,6 +1,6 @@
 """Memory-efficient p-Laplacian attention in plain PyTorch: tiled forward, recomputing backward.
 
-Same maths as ``plap_attention.plap_attention_weights`` (see its module docstring), computed tile by tile
+Same maths as ``plap_attention_reference.plap_attention_weights`` (see its module docstring), computed tile by tile
 so that no (B, H, Nq, Nk) tensor is ever held:
 
 - forward: the queries of a batch block are split into query blocks and the keys into key blocks; the

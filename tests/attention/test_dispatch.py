@@ -14,7 +14,7 @@ from transformers.testing_utils import CaptureLogger
 
 from modeling_plat import modeling_plat as modeling_module
 from modeling_plat import plap_attention_triton as triton_module
-from modeling_plat.plap_attention import Platform
+from modeling_plat.plap_dispatch import Platform
 
 # An H100 as the dispatcher sees it (compute capability 9.0).
 HOPPER = Platform("cuda", (9, 0), threads=torch.get_num_threads(), triton_interpreted=False)
