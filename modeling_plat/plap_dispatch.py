@@ -23,7 +23,10 @@ import torch
 import torch.nn.functional as F
 from transformers.utils import logging
 
+from .head_runs import head_runs, one_value
 from .plap_attention_decode import DECODE_MAX_QUERIES, decode_unsupported_reason, plap_attention_decode
+from .plap_attention_decode import FORMULATIONS as DECODE_FORMULATIONS
+from .plap_attention_tiled import FORMULATIONS as TILED_FORMULATIONS
 from .plap_attention_tiled import plap_attention_tiled
 from .plap_attention_reference import FORMULATIONS, allowed_positions, plap_attention_eager
 
@@ -55,11 +58,17 @@ def device_platform(device_type, device_index):
 
 class Backend:
     """A backend's entry point and what it can run: ``run(q, k, v, *, p, attn_mask, is_causal, document_ids, eps,
-    formulation)`` returns the (B, H, Nq, dv) output; ``limits``, when given, states the input limits of its own."""
+    formulation)`` returns the (B, H, Nq, dv) output; ``formulations`` are the names it implements, as its module
+    declares them (``FORMULATIONS``), or a function that returns them for a module imported on first use;
+    ``limits``, when given, states the input limits of its own."""
 
     def __init__(self, name, run, formulations, differentiates_p=False, limits=None):
-        self.name, self.run, self.formulations = name, run, formulations
+        self.name, self.run, self._formulations = name, run, formulations
         self.differentiates_p, self.limits = differentiates_p, limits
+
+    @property
+    def formulations(self):
+        return self._formulations() if callable(self._formulations) else self._formulations
 
     def unsupported_reason(self, query, key, value, *, p, p_trains, attn_mask, document_ids, formulation, platform):
         """Why this backend cannot run the input on this ``Platform``, or None."""
@@ -84,6 +93,12 @@ def _triton(query, key, value, **kwargs):
     return plap_attention_triton(query, key, value, **kwargs)
 
 
+def _triton_formulations():
+    from .plap_attention_triton import FORMULATIONS as TRITON_FORMULATIONS
+
+    return TRITON_FORMULATIONS
+
+
 def _triton_limits(query, key, value, *, platform, **kwargs):
     if platform.device_type == "cpu" and not platform.triton_interpreted:
         return "the Triton kernels need CUDA tensors (CPU tensors run only under TRITON_INTERPRET=1)"
@@ -98,10 +113,10 @@ def _decode_limits(query, key, value, *, platform, **kwargs):
 
 
 REGISTRY = {
-    "eager": Backend("eager", _eager, tuple(FORMULATIONS), differentiates_p=True),
-    "decode": Backend("decode", plap_attention_decode, ("paper", "euler"), limits=_decode_limits),
-    "tiled": Backend("tiled", plap_attention_tiled, ("paper", "euler")),
-    "triton": Backend("triton", _triton, ("paper", "euler"), limits=_triton_limits),
+    "eager": Backend("eager", _eager, FORMULATIONS, differentiates_p=True),
+    "decode": Backend("decode", plap_attention_decode, DECODE_FORMULATIONS, limits=_decode_limits),
+    "tiled": Backend("tiled", plap_attention_tiled, TILED_FORMULATIONS),
+    "triton": Backend("triton", _triton, _triton_formulations, limits=_triton_limits),
 }
 BACKENDS = ("auto", *REGISTRY)
 
@@ -238,14 +253,8 @@ def head_groups(p_values, num_heads):
     """
     if p_values is None:
         return [(0, num_heads, False)]
-    groups = []
-    for head, value in enumerate(p_values):
-        softmax = value == 2
-        if groups and groups[-1][2] == softmax:
-            groups[-1] = (groups[-1][0], head + 1, softmax)
-        else:
-            groups.append((head, head + 1, softmax))
-    return groups
+    softmax = [value == 2 for value in p_values]
+    return [(first, end, softmax[first]) for first, end in head_runs(softmax, one_value)]
 
 
 def _heads(tensor, first, end, num_heads):
