@@ -29,8 +29,7 @@ from transformers.utils.generic import can_return_tuple
 from .cache_name import CACHE_NAME, given_cache
 from .configuration_plat import PlatConfig, PlatConfigBase, PlatVisionConfig
 from .packing import packed_document_ids
-from .plap_dispatch import plap_attention
-from .plap_attention_reference import plap_attention_eager
+from .plap_dispatch import layer_attention
 
 logger = logging.get_logger(__name__)
 
@@ -93,16 +92,6 @@ def apply_rotary(x, cos, sin):
     return (x * cos + rotate_half(x) * sin).to(x.dtype)
 
 
-def repeat_kv(hidden_states, repeats):
-    """(B, H_kv, T, d) -> (B, H_kv * repeats, T, d): key/value head j serves query heads j * repeats to
-    (j + 1) * repeats - 1."""
-    if repeats == 1:
-        return hidden_states
-    batch, num_kv_heads, length, head_dim = hidden_states.shape
-    expanded = hidden_states[:, :, None].expand(batch, num_kv_heads, repeats, length, head_dim)
-    return expanded.reshape(batch, num_kv_heads * repeats, length, head_dim)
-
-
 class PlatAttention(nn.Module):
     """Multi-head p-Laplacian self-attention (eq. 12) with one exponent p per query head.
 
@@ -135,22 +124,14 @@ class PlatAttention(nn.Module):
             query, key = apply_rotary(query, *position_embeddings), apply_rotary(key, *position_embeddings)
         if cache is not None:
             key, value = cache.update(key, value, self.layer_idx)  # (B, H_kv, T, d)
-        repeats = self.num_heads // self.num_kv_heads
-        key, value = repeat_kv(key, repeats), repeat_kv(value, repeats)  # (B, H, T, d)
-        attn_output, weights = self.attend(query, key, value, attn_mask, document_ids, output_attentions)
+        attn_output, weights = layer_attention(
+            query, key, value, p=self.p_values, attn_mask=attn_mask, is_causal=self.is_causal,
+            document_ids=document_ids, eps=self.config.plap_eps, formulation=self.config.plap_formulation,
+            backend=self.config.plap_backend, dropout=self.attn_dropout if self.training else 0.0,
+            output_attentions=output_attentions,
+        )  # (B, H, N, d)
         attn_output = attn_output.transpose(1, 2).reshape(batch, length, -1)  # (B, N, H * d)
         return self.o_proj(attn_output), weights
-
-    def attend(self, query, key, value, attn_mask, document_ids, output_attentions):
-        """(output (B, H, N, d), effective weights (B, H, N, T) or None): the one call into the attention functions."""
-        options = dict(p=self.p_values, attn_mask=attn_mask, is_causal=self.is_causal, document_ids=document_ids,
-                       eps=self.config.plap_eps, formulation=self.config.plap_formulation)
-        dropout = self.attn_dropout if self.training else 0.0
-        if output_attentions or dropout > 0:
-            # Only the reference materialises the (B, H, N, T) weights that these two need.
-            return plap_attention_eager(query, key, value, **options, dropout=dropout,
-                                        output_attentions=output_attentions)  # fmt: skip
-        return plap_attention(query, key, value, **options, backend=self.config.plap_backend), None
 
 
 class PlatMLP(nn.Module):
