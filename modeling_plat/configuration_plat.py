@@ -23,6 +23,21 @@ MLP_TYPES = ("plain", "gated")
 POSITION_EMBEDDING_TYPES = ("learned", "rope")
 
 
+def _follows(name, default):
+    """A config field that reads as ``default(config)`` while unset (None), as transformers' configs resolve it (their
+    cache, generation and rotary code read it), and follows the fields it derives from when they change later (a
+    preset with --config_overrides); config.json keeps what was given."""
+
+    def get(self):
+        given = self.__dict__.get(name)
+        return default(self) if given is None else given
+
+    def set(self, value):
+        self.__dict__[name] = value
+
+    return property(get, set)
+
+
 def paper_p_mix(num_heads):
     """The paper's head mix: the first ceil(H / 2) heads with p = 1.5, the others with p = 2.5."""
     num_low = (num_heads + 1) // 2
@@ -67,6 +82,8 @@ class PlatConfigBase(PretrainedConfig):
 
     # Integer fields of the family that must be positive (checked with the shared ones).
     family_sizes = ()
+    num_key_value_heads = _follows("num_key_value_heads", lambda config: config.num_attention_heads)
+    head_dim = _follows("head_dim", lambda config: config.hidden_size // config.num_attention_heads)
 
     def __init__(
         self,
@@ -98,7 +115,6 @@ class PlatConfigBase(PretrainedConfig):
         self.hidden_size = hidden_size
         self.num_hidden_layers = num_hidden_layers
         self.num_attention_heads = num_attention_heads
-        # Unset (None) follow num_attention_heads and hidden_size, also when those are overridden later.
         self.num_key_value_heads = num_key_value_heads
         self.head_dim = head_dim
         self.intermediate_size = 4 * hidden_size if intermediate_size is None else intermediate_size
@@ -130,22 +146,21 @@ class PlatConfigBase(PretrainedConfig):
                 f"This config has plat_config_version={self.plat_config_version!r}, written by a newer plat than "
                 f"this one (which reads up to {PLAT_CONFIG_VERSION}); upgrade plat or load it with trust_remote_code=True"
             )
-        optional = [name for name in ("num_key_value_heads", "head_dim") if getattr(self, name) is not None]
-        for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", *optional, "intermediate_size",
+        given = [name for name in ("num_key_value_heads", "head_dim") if self.__dict__.get(name) is not None]
+        for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", *given, "intermediate_size",
                      *self.family_sizes):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer; got {value!r}")
-        if self.head_dim is None and self.hidden_size % self.num_attention_heads:
+        if "head_dim" not in given and self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
                 f"({self.num_attention_heads}), or head_dim given"
             )
-        num_kv_heads, _ = self.head_shape()
-        if self.num_attention_heads % num_kv_heads:
+        if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of num_key_value_heads "
-                f"({num_kv_heads})"
+                f"({self.num_key_value_heads})"
             )
         for name, value, allowed in (("norm_type", self.norm_type, NORM_TYPES), ("mlp_type", self.mlp_type, MLP_TYPES)):
             if value not in allowed:
@@ -171,10 +186,8 @@ class PlatConfigBase(PretrainedConfig):
         self.qkv_bias = self.o_proj_bias = value
 
     def head_shape(self):
-        """(num_key_value_heads, head_dim) with the defaults of unset fields: num_attention_heads, hidden / heads."""
-        num_kv_heads = self.num_attention_heads if self.num_key_value_heads is None else self.num_key_value_heads
-        head_dim = self.hidden_size // self.num_attention_heads if self.head_dim is None else self.head_dim
-        return num_kv_heads, head_dim
+        """(num_key_value_heads, head_dim)."""
+        return self.num_key_value_heads, self.head_dim
 
     def p_per_layer(self):
         """plap_p expanded to a (num_hidden_layers x num_attention_heads) list of lists of floats."""
@@ -249,9 +262,8 @@ class PlatConfig(PlatConfigBase):
                 f"position_embedding_type must be one of {POSITION_EMBEDDING_TYPES}; "
                 f"got {self.position_embedding_type!r}"
             )
-        head_dim = self.head_shape()[1]
-        if self.position_embedding_type == "rope" and head_dim % 2:
-            raise ValueError(f"Rotary positions rotate pairs of features: head_dim must be even; got {head_dim}")
+        if self.position_embedding_type == "rope" and self.head_dim % 2:
+            raise ValueError(f"Rotary positions rotate pairs of features: head_dim must be even; got {self.head_dim}")
         # Unset only while __init__ runs, which has checked it; set fields (--config_overrides) are checked here.
         if "rope_parameters" in vars(self):
             self.rope_parameters = _rope_parameters(self.position_embedding_type, self.rope_parameters, None, None)

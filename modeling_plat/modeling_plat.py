@@ -61,7 +61,7 @@ class PlatRotaryEmbedding(nn.Module):
 
     def __init__(self, config: PlatConfig):
         super().__init__()
-        self.head_dim = config.head_shape()[1]
+        self.head_dim = config.head_dim
         self.theta = config.rope_parameters["rope_theta"]
         self.inv_freq = nn.Buffer(self.compute_inv_freq(), persistent=False)
 
@@ -105,7 +105,7 @@ class PlatAttention(nn.Module):
         self.layer_idx = layer_idx
         self.is_causal = is_causal
         self.num_heads = config.num_attention_heads
-        self.num_kv_heads, self.head_dim = config.head_shape()
+        self.num_kv_heads, self.head_dim = config.num_key_value_heads, config.head_dim
         self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=config.qkv_bias)
         self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=config.qkv_bias)
         self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=config.qkv_bias)

@@ -81,7 +81,12 @@ def test_llama_shape_config_fields(tmp_path):
     config.save_pretrained(tmp_path)
     reloaded = AutoConfig.from_pretrained(tmp_path)
     assert reloaded.to_dict() | {"_name_or_path": ""} == config.to_dict() | {"_name_or_path": ""}
-    assert config.head_shape() == (2, 8) and text_config().head_shape() == (4, 8)
+    assert (config.num_key_value_heads, config.head_dim) == (2, 8)
+    gpt2_shape = text_config()
+    assert (gpt2_shape.num_key_value_heads, gpt2_shape.head_dim) == (4, 8)  # resolved, as transformers' configs are
+    assert gpt2_shape.to_dict()["head_dim"] is None  # config.json keeps what was given
+    gpt2_shape.num_attention_heads = 2  # set after init, as --config_overrides does: the unset fields follow
+    assert (gpt2_shape.num_key_value_heads, gpt2_shape.head_dim) == (2, 16)
     assert text_config().rope_parameters is None  # learned positions carry no rotary settings
     legacy = text_config(position_embedding_type="rope", rope_scaling={"type": "default", "rope_theta": 1e6})
     assert legacy.rope_parameters == {"rope_type": "default", "rope_theta": 1e6}
@@ -236,7 +241,7 @@ def test_lm_outputs_and_loss(shape):
     torch.testing.assert_close(out.loss, expected)
     assert isinstance(getattr(out, CACHE_NAME), Cache)
     key_cache = getattr(out, CACHE_NAME).layers[0].keys
-    assert key_cache.shape == (2, model.config.head_shape()[0], 9, 8)  # (B, key/value heads, T, head_dim)
+    assert key_cache.shape == (2, model.config.num_key_value_heads, 9, 8)  # (B, key/value heads, T, head_dim)
     assert len(out.hidden_states) == 3 and len(out.attentions) == 2
     assert out.attentions[0].shape == (2, 4, 9, 9) and out.attentions[0].requires_grad
     as_tuple = model(ids, labels=ids, output_attentions=True, return_dict=False)
