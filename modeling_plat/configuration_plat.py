@@ -9,6 +9,7 @@ import math
 
 from transformers import PretrainedConfig
 from transformers.activations import ACT2FN
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.utils import logging
 
 from .cache_name import CACHE_NAME
@@ -21,6 +22,8 @@ PLAT_CONFIG_VERSION = 1
 NORM_TYPES = ("layernorm", "rmsnorm")
 MLP_TYPES = ("plain", "gated")
 POSITION_EMBEDDING_TYPES = ("learned", "rope")
+# transformers' rotary types: its models' default one and those of its rope functions (linear, dynamic, yarn, ...).
+ROPE_TYPES = ("default", *ROPE_INIT_FUNCTIONS)
 
 
 def _follows(name, default):
@@ -228,9 +231,11 @@ class PlatConfig(PlatConfigBase):
         max_position_embeddings (`int`, defaults to 256): longest text sequence with learned positions (a bound on
             the input); with rotary positions only the default generation length.
         position_embedding_type (`str`, defaults to `"learned"`): `"learned"` (GPT-2) or `"rope"` (rotary, Llama).
-        rope_parameters (`dict`, with `"rope"` only): `{"rope_type": "default", "rope_theta": 10000.0}`, transformers
-            5's form; `rope_theta=` or the older `rope_scaling=` dict are read into it. Only the default rotary type
-            is implemented; other types (linear, dynamic, yarn, llama3, ...) are refused by name.
+        rope_parameters (`dict`, with `"rope"` only): transformers 5's form, `{"rope_type": "default", "rope_theta":
+            10000.0}` by default; any of transformers' rotary types (`ROPE_TYPES`: linear, dynamic, yarn, longrope,
+            llama3, ...) with its fields, computed by transformers' own rope functions, and `"partial_rotary_factor"`
+            to rotate only that fraction of each head's features. `rope_theta=`, `partial_rotary_factor=` or the
+            older `rope_scaling=` dict are read into it.
         use_cache (`bool`, defaults to `True`): return the key/value cache for generation.
         tie_word_embeddings (`bool`, defaults to `True`): share the LM head with the token embeddings.
         Further arguments: the transformer and p-LaT fields of `PlatConfigBase`.
@@ -248,12 +253,14 @@ class PlatConfig(PlatConfigBase):
         # Read here and set after transformers' own init, whose rotary standardisation would give every config
         # (learned positions included) a rope_parameters dict.
         rope_parameters = _rope_parameters(
-            position_embedding_type, rope_parameters, kwargs.pop("rope_scaling", None), kwargs.pop("rope_theta", None)
-        )
+            position_embedding_type, rope_parameters, kwargs.pop("rope_scaling", None), kwargs.pop("rope_theta", None),
+            kwargs.pop("partial_rotary_factor", None),
+        )  # fmt: skip
         self.use_cache = use_cache
         self.tie_word_embeddings = tie_word_embeddings
         super().__init__(**kwargs)
         self.rope_parameters = rope_parameters
+        self._check_rope()
 
     def validate_plat(self):
         super().validate_plat()
@@ -262,35 +269,53 @@ class PlatConfig(PlatConfigBase):
                 f"position_embedding_type must be one of {POSITION_EMBEDDING_TYPES}; "
                 f"got {self.position_embedding_type!r}"
             )
-        if self.position_embedding_type == "rope" and self.head_dim % 2:
-            raise ValueError(f"Rotary positions rotate pairs of features: head_dim must be even; got {self.head_dim}")
-        # Unset only while __init__ runs, which has checked it; set fields (--config_overrides) are checked here.
+        # Unset only while __init__ runs, which checks it after; set fields (--config_overrides) are checked here.
         if "rope_parameters" in vars(self):
-            self.rope_parameters = _rope_parameters(self.position_embedding_type, self.rope_parameters, None, None)
+            self._check_rope()
+
+    def _check_rope(self):
+        """rope_parameters in transformers 5's form, checked by transformers' own validation of its rotary types."""
+        self.rope_parameters = _rope_parameters(self.position_embedding_type, self.rope_parameters, None, None, None)
+        if self.rope_parameters is None:
+            return
+        rotary_dim = int(self.head_dim * self.rope_parameters.get("partial_rotary_factor", 1.0))
+        if rotary_dim < 2 or rotary_dim % 2:
+            raise ValueError(
+                f"Rotary positions rotate pairs of features: head_dim ({self.head_dim}) times partial_rotary_factor "
+                f"must be an even number of at least 2; got {rotary_dim}"
+            )
+        # Sets original_max_position_embeddings (llama3, yarn, longrope) to max_position_embeddings when not given.
+        self.standardize_rope_params()
+        try:
+            self.validate_rope()
+        except KeyError as error:  # a field the rope type needs is missing
+            raise ValueError(f"rope_parameters: {error.args[0]}") from None
 
 
-def _rope_parameters(position_embedding_type, rope_parameters, rope_scaling, rope_theta):
+def _rope_parameters(position_embedding_type, rope_parameters, rope_scaling, rope_theta, partial_rotary_factor):
     """The rotary settings as transformers 5 writes them, or None with learned positions."""
     given = rope_parameters if rope_parameters is not None else rope_scaling
     if position_embedding_type != "rope":
-        if given is not None or rope_theta is not None:
+        if given is not None or rope_theta is not None or partial_rotary_factor is not None:
             raise ValueError(
-                "rope_parameters, rope_scaling and rope_theta need position_embedding_type='rope'; "
-                f"this config has {position_embedding_type!r}"
+                "rope_parameters, rope_scaling, rope_theta and partial_rotary_factor need "
+                f"position_embedding_type='rope'; this config has {position_embedding_type!r}"
             )
         return None
     parameters = dict(given or {})
-    rope_type = parameters.pop("rope_type", parameters.pop("type", "default"))
-    if rope_type != "default":
-        raise ValueError(
-            f"rope_parameters rope_type {rope_type!r} is not implemented in p-LaT; only 'default' rotary positions are"
-        )
-    theta = parameters.pop("rope_theta", 10000.0 if rope_theta is None else rope_theta)
-    if parameters:
-        raise ValueError(f"rope_parameters has fields that default rotary positions do not use: {sorted(parameters)}")
+    parameters.setdefault("rope_type", parameters.pop("type", "default"))
+    if parameters["rope_type"] not in ROPE_TYPES:
+        raise ValueError(f"rope_parameters rope_type must be one of transformers' {ROPE_TYPES}; got "
+                         f"{parameters['rope_type']!r}")  # fmt: skip
+    theta = parameters.setdefault("rope_theta", 10000.0 if rope_theta is None else rope_theta)
     if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 1:
         raise ValueError(f"rope_theta must be a number > 1; got {theta!r}")
-    return {"rope_type": "default", "rope_theta": float(theta)}
+    if partial_rotary_factor is not None:
+        parameters.setdefault("partial_rotary_factor", partial_rotary_factor)
+    factor = parameters.get("partial_rotary_factor", 1.0)
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor <= 1:
+        raise ValueError(f"partial_rotary_factor must be a number in (0, 1]; got {factor!r}")
+    return parameters
 
 
 class PlatVisionConfig(PlatConfigBase):
