@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from machine import facts_label, machine_facts
-from modeling_plat.plap_attention import choose_backend, plap_attention
+from modeling_plat.plap_dispatch import choose_backend, plap_attention
 
 # name: (batch, heads, length, head size, causal, p per head)
 SHAPES = {

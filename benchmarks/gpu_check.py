@@ -75,7 +75,7 @@ import torch
 
 import modeling_plat
 from modeling_plat import paper_p_mix
-from modeling_plat.plap_attention import choose_backend, plap_attention
+from modeling_plat.plap_dispatch import choose_backend, plap_attention
 
 ROOT = Path(__file__).resolve().parents[1]
 SECTIONS = ("sweep", "attention", "kernels", "train", "compile", "decode", "main-job")
@@ -139,7 +139,7 @@ def backend_spy():
     """A Counter of the backends plap_attention's dispatcher returns while inside, by name. Eager code counts every
     call; torch.compile counts while tracing, once per graph: the count is a constant of the trace, so that it
     neither breaks the graph nor adds a guard."""
-    module = importlib.import_module("modeling_plat.plap_attention")  # the package's attribute is the function
+    module = importlib.import_module("modeling_plat.plap_dispatch")
     original, chosen = module.choose_backend, collections.Counter()
 
     @torch.compiler.assume_constant_result

@@ -48,8 +48,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from modeling_plat.modeling_plat import apply_rotary, repeat_kv
+from modeling_plat.modeling_plat import apply_rotary
 from modeling_plat.plap_attention_reference import plap_attention_weights, squared_value_distances
+from modeling_plat.plap_dispatch import repeat_kv
 from plat_train.arguments import ModelArguments
 from plat_train.model_setup import build_config, load_model
 from plat_train.presets import image_processor_preset

@@ -34,7 +34,7 @@ from .modeling_plat import (
     PlatVisionModel,
     PlatVisionPreTrainedModel,
 )
-from .plap_attention import BACKENDS, plap_attention
+from .plap_dispatch import BACKENDS, plap_attention
 from .plap_attention_reference import FORMULATIONS, plap_attention_weights
 
 AutoConfig.register(PlatConfig.model_type, PlatConfig, exist_ok=True)

@@ -28,8 +28,7 @@ from transformers.masking_utils import (
 )
 
 from .configuration_plat import PlatConfigBase, paper_p_mix
-from .plap_attention import BACKENDS, plap_attention
-from .plap_attention_reference import FORMULATIONS, plap_attention_eager
+from .plap_dispatch import BACKENDS, FORMULATIONS, layer_attention
 
 ATTN_IMPLEMENTATION = "plap"
 
@@ -160,22 +159,13 @@ def plap_attention_forward(module, query, key, value, attention_mask, dropout=0.
     head_dim = query.shape[-1]
     if scaling is not None and not math.isclose(scaling * math.sqrt(head_dim), 1.0, rel_tol=1e-12):
         query = query * (scaling * math.sqrt(head_dim))  # plap_attention scales by 1 / sqrt(d)
-    repeats = query.shape[1] // key.shape[1]
-    if repeats > 1:
-        # Key/value head j serves query heads j * repeats to (j + 1) * repeats - 1, as in transformers' repeat_kv,
-        # in one call: ~2 us less per tensor than its expand and reshape, a decoding step's cost at small sizes.
-        key, value = key.repeat_interleave(repeats, dim=1), value.repeat_interleave(repeats, dim=1)  # (B, H, Nk, d)
     # A mask with one row per query carries the causal pattern itself (plap_mask); a key-padding one does not.
     full_mask = attention_mask is not None and attention_mask.shape[-2] != 1
-    options = dict(p=p, attn_mask=attention_mask, is_causal=is_causal and not full_mask, eps=eps,
-                   formulation=formulation)  # fmt: skip
-    output_attentions = kwargs.get("output_attentions", False)
-    if dropout > 0 or output_attentions:
-        # Only the reference materialises the (B, H, Nq, Nk) weights that these two need.
-        out, weights = plap_attention_eager(query, key, value, **options, dropout=dropout,
-                                            output_attentions=output_attentions)  # fmt: skip
-    else:
-        out, weights = plap_attention(query, key, value, **options, backend=backend), None
+    out, weights = layer_attention(
+        query, key, value, p=p, attn_mask=attention_mask, is_causal=is_causal and not full_mask, eps=eps,
+        formulation=formulation, backend=backend, dropout=dropout,
+        output_attentions=kwargs.get("output_attentions", False),
+    )  # fmt: skip
     return out.transpose(1, 2).contiguous(), weights  # (B, Nq, H, d)
 
 

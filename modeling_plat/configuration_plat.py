@@ -9,10 +9,11 @@ import math
 
 from transformers import PretrainedConfig
 from transformers.activations import ACT2FN
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.utils import logging
 
 from .cache_name import CACHE_NAME
-from .plap_attention import BACKENDS, FORMULATIONS
+from .plap_dispatch import BACKENDS, FORMULATIONS
 
 logger = logging.get_logger(__name__)
 
@@ -21,6 +22,23 @@ PLAT_CONFIG_VERSION = 1
 NORM_TYPES = ("layernorm", "rmsnorm")
 MLP_TYPES = ("plain", "gated")
 POSITION_EMBEDDING_TYPES = ("learned", "rope")
+# transformers' rotary types: its models' default one and those of its rope functions (linear, dynamic, yarn, ...).
+ROPE_TYPES = ("default", *ROPE_INIT_FUNCTIONS)
+
+
+def _follows(name, default):
+    """A config field that reads as ``default(config)`` while unset (None), as transformers' configs resolve it (their
+    cache, generation and rotary code read it), and follows the fields it derives from when they change later (a
+    preset with --config_overrides); config.json keeps what was given."""
+
+    def get(self):
+        given = self.__dict__.get(name)
+        return default(self) if given is None else given
+
+    def set(self, value):
+        self.__dict__[name] = value
+
+    return property(get, set)
 
 
 def paper_p_mix(num_heads):
@@ -61,12 +79,14 @@ class PlatConfigBase(PretrainedConfig):
         plap_formulation (`str`, defaults to `"paper"`): `"paper"` (eq. 12) or `"euler"` (exact Euler step
             of the gradient flow, no self-weight singularity); `"noself"` and `"selfweight"` split eq. 12 into
             its weighting of the other tokens and its self-weight (the eager backend runs them).
-        plap_backend (`str`, defaults to `"auto"`): attention kernel, see `modeling_plat.plap_attention.BACKENDS`.
+        plap_backend (`str`, defaults to `"auto"`): attention kernel, see `modeling_plat.plap_dispatch.BACKENDS`.
         plat_config_version (`int`): format version of this config; a newer one than the code knows is refused.
     """
 
     # Integer fields of the family that must be positive (checked with the shared ones).
     family_sizes = ()
+    num_key_value_heads = _follows("num_key_value_heads", lambda config: config.num_attention_heads)
+    head_dim = _follows("head_dim", lambda config: config.hidden_size // config.num_attention_heads)
 
     def __init__(
         self,
@@ -98,7 +118,6 @@ class PlatConfigBase(PretrainedConfig):
         self.hidden_size = hidden_size
         self.num_hidden_layers = num_hidden_layers
         self.num_attention_heads = num_attention_heads
-        # Unset (None) follow num_attention_heads and hidden_size, also when those are overridden later.
         self.num_key_value_heads = num_key_value_heads
         self.head_dim = head_dim
         self.intermediate_size = 4 * hidden_size if intermediate_size is None else intermediate_size
@@ -130,22 +149,21 @@ class PlatConfigBase(PretrainedConfig):
                 f"This config has plat_config_version={self.plat_config_version!r}, written by a newer plat than "
                 f"this one (which reads up to {PLAT_CONFIG_VERSION}); upgrade plat or load it with trust_remote_code=True"
             )
-        optional = [name for name in ("num_key_value_heads", "head_dim") if getattr(self, name) is not None]
-        for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", *optional, "intermediate_size",
+        given = [name for name in ("num_key_value_heads", "head_dim") if self.__dict__.get(name) is not None]
+        for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", *given, "intermediate_size",
                      *self.family_sizes):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer; got {value!r}")
-        if self.head_dim is None and self.hidden_size % self.num_attention_heads:
+        if "head_dim" not in given and self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
                 f"({self.num_attention_heads}), or head_dim given"
             )
-        num_kv_heads, _ = self.head_shape()
-        if self.num_attention_heads % num_kv_heads:
+        if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of num_key_value_heads "
-                f"({num_kv_heads})"
+                f"({self.num_key_value_heads})"
             )
         for name, value, allowed in (("norm_type", self.norm_type, NORM_TYPES), ("mlp_type", self.mlp_type, MLP_TYPES)):
             if value not in allowed:
@@ -171,10 +189,8 @@ class PlatConfigBase(PretrainedConfig):
         self.qkv_bias = self.o_proj_bias = value
 
     def head_shape(self):
-        """(num_key_value_heads, head_dim) with the defaults of unset fields: num_attention_heads, hidden / heads."""
-        num_kv_heads = self.num_attention_heads if self.num_key_value_heads is None else self.num_key_value_heads
-        head_dim = self.hidden_size // self.num_attention_heads if self.head_dim is None else self.head_dim
-        return num_kv_heads, head_dim
+        """(num_key_value_heads, head_dim)."""
+        return self.num_key_value_heads, self.head_dim
 
     def p_per_layer(self):
         """plap_p expanded to a (num_hidden_layers x num_attention_heads) list of lists of floats."""
@@ -215,9 +231,11 @@ class PlatConfig(PlatConfigBase):
         max_position_embeddings (`int`, defaults to 256): longest text sequence with learned positions (a bound on
             the input); with rotary positions only the default generation length.
         position_embedding_type (`str`, defaults to `"learned"`): `"learned"` (GPT-2) or `"rope"` (rotary, Llama).
-        rope_parameters (`dict`, with `"rope"` only): `{"rope_type": "default", "rope_theta": 10000.0}`, transformers
-            5's form; `rope_theta=` or the older `rope_scaling=` dict are read into it. Only the default rotary type
-            is implemented; other types (linear, dynamic, yarn, llama3, ...) are refused by name.
+        rope_parameters (`dict`, with `"rope"` only): transformers 5's form, `{"rope_type": "default", "rope_theta":
+            10000.0}` by default; any of transformers' rotary types (`ROPE_TYPES`: linear, dynamic, yarn, longrope,
+            llama3, ...) with its fields, computed by transformers' own rope functions, and `"partial_rotary_factor"`
+            to rotate only that fraction of each head's features. `rope_theta=`, `partial_rotary_factor=` or the
+            older `rope_scaling=` dict are read into it.
         use_cache (`bool`, defaults to `True`): return the key/value cache for generation.
         tie_word_embeddings (`bool`, defaults to `True`): share the LM head with the token embeddings.
         Further arguments: the transformer and p-LaT fields of `PlatConfigBase`.
@@ -235,12 +253,14 @@ class PlatConfig(PlatConfigBase):
         # Read here and set after transformers' own init, whose rotary standardisation would give every config
         # (learned positions included) a rope_parameters dict.
         rope_parameters = _rope_parameters(
-            position_embedding_type, rope_parameters, kwargs.pop("rope_scaling", None), kwargs.pop("rope_theta", None)
-        )
+            position_embedding_type, rope_parameters, kwargs.pop("rope_scaling", None), kwargs.pop("rope_theta", None),
+            kwargs.pop("partial_rotary_factor", None),
+        )  # fmt: skip
         self.use_cache = use_cache
         self.tie_word_embeddings = tie_word_embeddings
         super().__init__(**kwargs)
         self.rope_parameters = rope_parameters
+        self._check_rope()
 
     def validate_plat(self):
         super().validate_plat()
@@ -249,36 +269,53 @@ class PlatConfig(PlatConfigBase):
                 f"position_embedding_type must be one of {POSITION_EMBEDDING_TYPES}; "
                 f"got {self.position_embedding_type!r}"
             )
-        head_dim = self.head_shape()[1]
-        if self.position_embedding_type == "rope" and head_dim % 2:
-            raise ValueError(f"Rotary positions rotate pairs of features: head_dim must be even; got {head_dim}")
-        # Unset only while __init__ runs, which has checked it; set fields (--config_overrides) are checked here.
+        # Unset only while __init__ runs, which checks it after; set fields (--config_overrides) are checked here.
         if "rope_parameters" in vars(self):
-            self.rope_parameters = _rope_parameters(self.position_embedding_type, self.rope_parameters, None, None)
+            self._check_rope()
+
+    def _check_rope(self):
+        """rope_parameters in transformers 5's form, checked by transformers' own validation of its rotary types."""
+        self.rope_parameters = _rope_parameters(self.position_embedding_type, self.rope_parameters, None, None, None)
+        if self.rope_parameters is None:
+            return
+        rotary_dim = int(self.head_dim * self.rope_parameters.get("partial_rotary_factor", 1.0))
+        if rotary_dim < 2 or rotary_dim % 2:
+            raise ValueError(
+                f"Rotary positions rotate pairs of features: head_dim ({self.head_dim}) times partial_rotary_factor "
+                f"must be an even number of at least 2; got {rotary_dim}"
+            )
+        # Sets original_max_position_embeddings (llama3, yarn, longrope) to max_position_embeddings when not given.
+        self.standardize_rope_params()
+        try:
+            self.validate_rope()
+        except KeyError as error:  # a field the rope type needs is missing
+            raise ValueError(f"rope_parameters: {error.args[0]}") from None
 
 
-def _rope_parameters(position_embedding_type, rope_parameters, rope_scaling, rope_theta):
+def _rope_parameters(position_embedding_type, rope_parameters, rope_scaling, rope_theta, partial_rotary_factor):
     """The rotary settings as transformers 5 writes them, or None with learned positions."""
     given = rope_parameters if rope_parameters is not None else rope_scaling
     if position_embedding_type != "rope":
-        if given is not None or rope_theta is not None:
+        if given is not None or rope_theta is not None or partial_rotary_factor is not None:
             raise ValueError(
-                "rope_parameters, rope_scaling and rope_theta need position_embedding_type='rope'; "
-                f"this config has {position_embedding_type!r}"
+                "rope_parameters, rope_scaling, rope_theta and partial_rotary_factor need "
+                f"position_embedding_type='rope'; this config has {position_embedding_type!r}"
             )
         return None
     parameters = dict(given or {})
-    rope_type = parameters.pop("rope_type", parameters.pop("type", "default"))
-    if rope_type != "default":
-        raise ValueError(
-            f"rope_parameters rope_type {rope_type!r} is not implemented in p-LaT; only 'default' rotary positions are"
-        )
-    theta = parameters.pop("rope_theta", 10000.0 if rope_theta is None else rope_theta)
-    if parameters:
-        raise ValueError(f"rope_parameters has fields that default rotary positions do not use: {sorted(parameters)}")
+    parameters.setdefault("rope_type", parameters.pop("type", "default"))
+    if parameters["rope_type"] not in ROPE_TYPES:
+        raise ValueError(f"rope_parameters rope_type must be one of transformers' {ROPE_TYPES}; got "
+                         f"{parameters['rope_type']!r}")  # fmt: skip
+    theta = parameters.setdefault("rope_theta", 10000.0 if rope_theta is None else rope_theta)
     if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 1:
         raise ValueError(f"rope_theta must be a number > 1; got {theta!r}")
-    return {"rope_type": "default", "rope_theta": float(theta)}
+    if partial_rotary_factor is not None:
+        parameters.setdefault("partial_rotary_factor", partial_rotary_factor)
+    factor = parameters.get("partial_rotary_factor", 1.0)
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor <= 1:
+        raise ValueError(f"partial_rotary_factor must be a number in (0, 1]; got {factor!r}")
+    return parameters
 
 
 class PlatVisionConfig(PlatConfigBase):

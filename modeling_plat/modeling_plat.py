@@ -23,84 +23,72 @@ from transformers.modeling_outputs import (
     CausalLMOutputWithPast,
     ImageClassifierOutput,
 )
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
+from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, rotate_half
 from transformers.utils import logging
 from transformers.utils.generic import can_return_tuple
 
 from .cache_name import CACHE_NAME, given_cache
 from .configuration_plat import PlatConfig, PlatConfigBase, PlatVisionConfig
 from .packing import packed_document_ids
-from .plap_attention import plap_attention
-from .plap_attention_reference import plap_attention_eager
+from .plap_dispatch import layer_attention
 
 logger = logging.get_logger(__name__)
 
 
-class PlatRMSNorm(nn.Module):
-    """Root-mean-square norm (Llama): x / rms(x) * weight, computed in float32 whatever the input dtype."""
-
-    def __init__(self, hidden_size, eps):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.eps = eps
-
-    def forward(self, hidden_states):
-        dtype = hidden_states.dtype
-        hidden_states = hidden_states.float()
-        hidden_states = hidden_states * torch.rsqrt(hidden_states.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * hidden_states.to(dtype)
-
-
 def make_norm(config: PlatConfigBase):
     if config.norm_type == "rmsnorm":
-        return PlatRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        return LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
     return nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
 
 
 class PlatRotaryEmbedding(nn.Module):
-    """Rotary position angles (RoPE, default type): cos and sin of position * theta^(-2i / head_dim), one angle per
-    feature pair (i, i + head_dim / 2)."""
+    """Rotary position angles of any of transformers' rotary types (``config.rope_parameters``): cos and sin of
+    position * inv_freq, one angle per feature pair (i, i + rotary_dim / 2) of the first rotary_dim = head_dim *
+    partial_rotary_factor features. transformers' rope functions compute inv_freq (and yarn's and longrope's
+    attention_scaling); ``dynamic_rope_update`` recomputes it past the trained length (dynamic, longrope)."""
 
-    def __init__(self, config: PlatConfig):
+    def __init__(self, config: PlatConfig, device=None):
         super().__init__()
-        self.head_dim = config.head_shape()[1]
-        self.theta = config.rope_parameters["rope_theta"]
-        self.inv_freq = nn.Buffer(self.compute_inv_freq(), persistent=False)
+        self.config = config
+        self.rope_type = config.rope_parameters["rope_type"]
+        # What dynamic_rope_update reads: the longest length of the current frequencies, and the trained one.
+        self.max_seq_len_cached = self.original_max_seq_len = config.max_position_embeddings
+        compute = ROPE_INIT_FUNCTIONS.get(self.rope_type, self.compute_default_rope_parameters)
+        inv_freq, self.attention_scaling = compute(config, device)
+        self.inv_freq = nn.Buffer(inv_freq, persistent=False)
+        self.original_inv_freq = nn.Buffer(inv_freq.clone(), persistent=False)
 
-    def compute_inv_freq(self):
-        return 1.0 / self.theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32) / self.head_dim)
+    @staticmethod
+    def compute_default_rope_parameters(config, device=None, **kwargs):
+        """(inv_freq = theta^(-2i / rotary_dim), attention scaling 1), as transformers' models define the default
+        type for its rope functions' signature."""
+        rotary_dim = int(config.head_dim * config.rope_parameters.get("partial_rotary_factor", 1.0))
+        exponents = torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=device) / rotary_dim
+        return 1.0 / config.rope_parameters["rope_theta"] ** exponents, 1.0
 
+    @dynamic_rope_update
     def forward(self, hidden_states, position_ids):
-        """(cos, sin), each (B|1, N, head_dim) in ``hidden_states``' dtype; the angles in float32."""
+        """(cos, sin), each (B|1, N, rotary_dim) in ``hidden_states``' dtype; the angles in float32."""
         with torch.autocast(hidden_states.device.type, enabled=False):
-            angles = position_ids[..., None].float() * self.inv_freq.float()  # (B|1, N, head_dim / 2)
-            angles = torch.cat([angles, angles], dim=-1)  # (B|1, N, head_dim): the two halves share angles
-            return angles.cos().to(hidden_states.dtype), angles.sin().to(hidden_states.dtype)
-
-
-def rotate_half(x):
-    """(x1, x2) -> (-x2, x1) on the two halves of the last dimension."""
-    first, second = x.chunk(2, dim=-1)
-    return torch.cat([-second, first], dim=-1)
+            angles = position_ids[..., None].float() * self.inv_freq.float()  # (B|1, N, rotary_dim / 2)
+            angles = torch.cat([angles, angles], dim=-1)  # (B|1, N, rotary_dim): the two halves share angles
+            cos, sin = angles.cos() * self.attention_scaling, angles.sin() * self.attention_scaling
+            return cos.to(hidden_states.dtype), sin.to(hidden_states.dtype)
 
 
 def apply_rotary(x, cos, sin):
-    """Rotate each (i, i + d/2) feature pair of (B, H, N, d) ``x`` by its position's angle; in ``x``'s dtype.
+    """Rotate each (i, i + r/2) feature pair of the first r = cos.shape[-1] features of (B, H, N, d) ``x`` by its
+    position's angle, the others as they are (partial rotation); in ``x``'s dtype.
 
     Under autocast cos and sin are float32 like the residual stream while x (a projection) is half: the product
     would promote queries and keys to float32 beside half values.
     """
-    cos, sin = cos[:, None], sin[:, None]  # (B|1, 1, N, d): shared by all heads
-    return (x * cos + rotate_half(x) * sin).to(x.dtype)
-
-
-def repeat_kv(hidden_states, repeats):
-    """(B, H_kv, T, d) -> (B, H_kv * repeats, T, d): key/value head j serves query heads j * repeats to
-    (j + 1) * repeats - 1."""
-    if repeats == 1:
-        return hidden_states
-    batch, num_kv_heads, length, head_dim = hidden_states.shape
-    expanded = hidden_states[:, :, None].expand(batch, num_kv_heads, repeats, length, head_dim)
-    return expanded.reshape(batch, num_kv_heads * repeats, length, head_dim)
+    rotary_dim = cos.shape[-1]
+    rotated, kept = x[..., :rotary_dim], x[..., rotary_dim:]
+    cos, sin = cos[:, None], sin[:, None]  # (B|1, 1, N, r): shared by all heads
+    rotated = (rotated * cos + rotate_half(rotated) * sin).to(x.dtype)
+    return torch.cat([rotated, kept], dim=-1) if kept.shape[-1] else rotated
 
 
 class PlatAttention(nn.Module):
@@ -116,7 +104,7 @@ class PlatAttention(nn.Module):
         self.layer_idx = layer_idx
         self.is_causal = is_causal
         self.num_heads = config.num_attention_heads
-        self.num_kv_heads, self.head_dim = config.head_shape()
+        self.num_kv_heads, self.head_dim = config.num_key_value_heads, config.head_dim
         self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=config.qkv_bias)
         self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=config.qkv_bias)
         self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=config.qkv_bias)
@@ -135,22 +123,14 @@ class PlatAttention(nn.Module):
             query, key = apply_rotary(query, *position_embeddings), apply_rotary(key, *position_embeddings)
         if cache is not None:
             key, value = cache.update(key, value, self.layer_idx)  # (B, H_kv, T, d)
-        repeats = self.num_heads // self.num_kv_heads
-        key, value = repeat_kv(key, repeats), repeat_kv(value, repeats)  # (B, H, T, d)
-        attn_output, weights = self.attend(query, key, value, attn_mask, document_ids, output_attentions)
+        attn_output, weights = layer_attention(
+            query, key, value, p=self.p_values, attn_mask=attn_mask, is_causal=self.is_causal,
+            document_ids=document_ids, eps=self.config.plap_eps, formulation=self.config.plap_formulation,
+            backend=self.config.plap_backend, dropout=self.attn_dropout if self.training else 0.0,
+            output_attentions=output_attentions,
+        )  # (B, H, N, d)
         attn_output = attn_output.transpose(1, 2).reshape(batch, length, -1)  # (B, N, H * d)
         return self.o_proj(attn_output), weights
-
-    def attend(self, query, key, value, attn_mask, document_ids, output_attentions):
-        """(output (B, H, N, d), effective weights (B, H, N, T) or None): the one call into the attention functions."""
-        options = dict(p=self.p_values, attn_mask=attn_mask, is_causal=self.is_causal, document_ids=document_ids,
-                       eps=self.config.plap_eps, formulation=self.config.plap_formulation)
-        dropout = self.attn_dropout if self.training else 0.0
-        if output_attentions or dropout > 0:
-            # Only the reference materialises the (B, H, N, T) weights that these two need.
-            return plap_attention_eager(query, key, value, **options, dropout=dropout,
-                                        output_attentions=output_attentions)  # fmt: skip
-        return plap_attention(query, key, value, **options, backend=self.config.plap_backend), None
 
 
 class PlatMLP(nn.Module):
@@ -166,21 +146,8 @@ class PlatMLP(nn.Module):
         return self.fc2(self.act(self.fc1(hidden_states)))
 
 
-class PlatGatedMLP(nn.Module):
-    """Llama's gated MLP (SwiGLU with silu): down_proj(act(gate_proj(x)) * up_proj(x))."""
-
-    def __init__(self, config: PlatConfigBase):
-        super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
-        self.act = ACT2FN[config.hidden_act]
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
-
-    def forward(self, hidden_states):
-        return self.down_proj(self.act(self.gate_proj(hidden_states)) * self.up_proj(hidden_states))
-
-
-MLPS = {"plain": PlatMLP, "gated": PlatGatedMLP}
+# "gated": Llama's SwiGLU (with hidden_act="silu"), down_proj(act(gate_proj(x)) * up_proj(x)).
+MLPS = {"plain": PlatMLP, "gated": LlamaMLP}
 
 
 class PlatLayer(GradientCheckpointingLayer):
@@ -297,10 +264,8 @@ class PlatPreTrainedModel(PreTrainedModel):
             init.normal_(module.o_proj.weight, mean=0.0, std=std / math.sqrt(2 * self.config.num_hidden_layers))
         elif isinstance(module, PlatMLP):
             init.normal_(module.fc2.weight, mean=0.0, std=std / math.sqrt(2 * self.config.num_hidden_layers))
-        elif isinstance(module, PlatGatedMLP):
+        elif isinstance(module, LlamaMLP):
             init.normal_(module.down_proj.weight, mean=0.0, std=std / math.sqrt(2 * self.config.num_hidden_layers))
-        elif isinstance(module, PlatRotaryEmbedding):
-            init.copy_(module.inv_freq, module.compute_inv_freq())
         elif isinstance(module, PlatVisionEmbeddings):
             init.trunc_normal_(module.position_embeddings, mean=0.0, std=std)
             init.trunc_normal_(module.cls_token, mean=0.0, std=std)

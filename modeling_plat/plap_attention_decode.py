@@ -9,11 +9,13 @@ COINCIDING rule) are an exact 0 with no gradient, as in every backend.
 
 import torch
 
-from .plap_attention_reference import COINCIDING
+from .plap_attention_reference import COINCIDING, formulation_of, implemented
 
 # Queries per call up to which the direct differences (B, H, Nq, Nk, dv) stay cheaper than the matmul expansion
 # and the mask tensors of the reference: one decoded token, or a few of speculative decoding.
 DECODE_MAX_QUERIES = 4
+
+FORMULATIONS = implemented("paper", "euler")
 
 _exponents = {}
 
@@ -38,6 +40,7 @@ def plap_attention_decode(
     query, key, value, *, p, attn_mask=None, is_causal=False, document_ids=None, eps=1e-6, formulation="paper"
 ):
     """Arguments as ``plap_attention`` (checked there); (B, H, Nq, dv) in ``query``'s dtype."""
+    euler = formulation_of(formulation, FORMULATIONS, "decode").self_pair == "euler"
     num_queries, num_keys = query.shape[-2], key.shape[-2]
     compute_dtype = torch.promote_types(query.dtype, torch.float32)
     with torch.autocast(query.device.type, enabled=False):
@@ -58,7 +61,7 @@ def plap_attention_decode(
         d2 = torch.where(coinciding, 0.0, d2)
         weights = attn * (d2 + eps).pow(_exponent(tuple(p), compute_dtype, q.device))
         out = weights @ v  # (B, H, Nq, dv)
-        if formulation == "euler":
+        if euler:
             # u_x = v_x + sum_{y != x} W (v_y - v_x): the self pair's term is zero, and its weight drops out.
             own = torch.diagonal(weights, offset=num_keys - num_queries, dim1=-2, dim2=-1)[..., None]  # (B, H, Nq, 1)
             out = out - own * v_own + (1 - (weights.sum(-1, keepdim=True) - own)) * v_own

@@ -55,6 +55,26 @@ FORMULATIONS = {
 }
 
 
+def implemented(*names):
+    """A fast backend's declaration of the formulations it computes: these entries of ``FORMULATIONS``. A name that
+    the reference does not define fails when the backend is imported."""
+    unknown = [name for name in names if name not in FORMULATIONS]
+    if unknown:
+        raise ValueError(f"formulations {unknown} are not defined in the reference (FORMULATIONS: {tuple(FORMULATIONS)})")
+    return {name: FORMULATIONS[name] for name in names}
+
+
+def formulation_of(name, formulations, backend):
+    """The ``Formulation`` that ``backend`` computes for ``name``, ``formulations`` being what it implements; a
+    ValueError for a name it does not implement (its code would compute another formulation silently)."""
+    if name not in formulations:
+        raise ValueError(
+            f"the {backend} backend implements the formulations {tuple(formulations)}, not {name!r}; the eager "
+            f"backend computes every one of {tuple(FORMULATIONS)}"
+        )
+    return formulations[name]
+
+
 def allowed_positions(attn_mask, is_causal, num_queries, num_keys, device, document_ids=None):
     """Boolean (..., Nq, Nk) mask of the pairs that may attend, or None when all may.
 
@@ -102,7 +122,7 @@ def plap_attention_weights(
 
     paper: M = A * P.  euler: M = W_off + diag(1 - rowsum(W_off)) with W_off = A * P off the self pairs.
     ``p`` is a sequence of floats or an (H,) tensor (which may require grad). Rows whose every key is masked
-    are zero. Inputs are assumed checked (see ``plap_attention.plap_attention``).
+    are zero. Inputs are assumed checked (see ``plap_dispatch.plap_attention``).
     """
     with torch.autocast(query.device.type, enabled=False):  # autocast would run the matmuls in half precision
         compute_dtype = torch.promote_types(query.dtype, torch.float32)

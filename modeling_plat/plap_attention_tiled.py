@@ -1,6 +1,6 @@
 """Memory-efficient p-Laplacian attention in plain PyTorch: tiled forward, recomputing backward.
 
-Same maths as ``plap_attention.plap_attention_weights`` (see its module docstring), computed tile by tile
+Same maths as ``plap_attention_reference.plap_attention_weights`` (see its module docstring), computed tile by tile
 so that no (B, H, Nq, Nk) tensor is ever held:
 
 - forward: the queries of a batch block are split into query blocks and the keys into key blocks; the
@@ -42,7 +42,10 @@ import torch
 
 from .custom_ops import FusedOp, op_name
 from .float32_matmul import float32_baddbmm_
-from .plap_attention_reference import CLOSE_PAIR, COINCIDING
+from .head_runs import head_runs, one_value
+from .plap_attention_reference import CLOSE_PAIR, COINCIDING, formulation_of, implemented
+
+FORMULATIONS = implemented("paper", "euler")
 
 # Scores per tile (1 MiB of float32): small enough for the cache, large enough to amortise per-call overhead
 # (docs/performance.md; re-derive with `python benchmarks/bench_attention.py --backends tiled`).
@@ -66,17 +69,6 @@ def _block_sizes(batch, heads, num_queries, num_keys, is_causal):
     block_q = min(block_q, num_queries)
     block_b = min(batch, max(1, TILE_ELEMENTS // (heads * block_q * block_k)))
     return block_b, block_q, block_k
-
-
-def _exponent_runs(exponents):
-    """Runs of consecutive heads sharing one exponent c = (p - 2) / 2, as (first head, end, c)."""
-    runs = []
-    for head, c in enumerate(exponents):
-        if runs and runs[-1][2] == c:
-            runs[-1] = (runs[-1][0], head + 1, c)
-        else:
-            runs.append((head, head + 1, c))
-    return tuple(runs)
 
 
 def _power(base, out, runs, heads):
@@ -154,7 +146,7 @@ class _Tiling:
         self.num_keys = key.shape[2]
         self.offset = self.num_keys - self.num_queries  # query i is the token at key position offset + i
         self.scale = 1 / math.sqrt(head_dim)
-        self.runs = _exponent_runs(exponents)
+        self.runs = tuple((first, end, exponents[first]) for first, end in head_runs(exponents, one_value))
         self.bias, self.is_causal, self.eps, self.euler = bias, is_causal, eps, euler
         if blocks is None:
             blocks = _block_sizes(self.batch, self.heads, self.num_queries, self.num_keys, is_causal)
@@ -442,6 +434,7 @@ def plap_attention_tiled(
     ``p`` is a sequence of floats, one per head (no gradient). ``blocks`` = (batch, query, key) block sizes
     overrides the automatic choice (tests use small blocks to exercise the online softmax).
     """
+    euler = formulation_of(formulation, FORMULATIONS, "tiled").self_pair == "euler"
     compute_dtype = torch.promote_types(query.dtype, torch.float32)
     exponents = [(float(v) - 2) / 2 for v in p]
     bias = None
@@ -459,7 +452,7 @@ def plap_attention_tiled(
             exponents,
             is_causal,
             float(eps),
-            formulation == "euler",
+            euler,
             None if blocks is None else list(blocks),
         )
     return out.to(query.dtype)

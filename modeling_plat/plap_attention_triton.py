@@ -48,6 +48,8 @@ from typing import NamedTuple
 import torch
 
 from .custom_ops import FusedOp, op_name
+from .head_runs import head_runs
+from .plap_attention_reference import formulation_of, implemented
 from .triton_backward import plap_dkdv_kernel, plap_dq_kernel
 from .triton_configs import (
     INTERPRETER_CONFIG, SUPPORTED_DTYPES, KernelConfig, LaunchConfig, capability_reason, launch_config,
@@ -67,7 +69,7 @@ MAX_OFFSET = 2**31 - 1
 FLOAT16_MAX_P = 3.0
 # exp(x) = exp2(x * LOG2_E): the kernels' scores are in log2 units, log2(e) / sqrt(d) folded into one scale.
 LOG2_E = 1.4426950408889634
-FORMULATIONS = ("paper", "euler")
+FORMULATIONS = implemented("paper", "euler")
 
 
 def triton_unsupported_reason(query, key=None, value=None, *, p, attn_mask=None, is_causal=False, sliding_window=None,
@@ -88,7 +90,7 @@ def triton_unsupported_reason(query, key=None, value=None, *, p, attn_mask=None,
     if TRITON_VERSION < MIN_TRITON_VERSION:
         return f"triton {triton.__version__} is older than {'.'.join(map(str, MIN_TRITON_VERSION))}"
     if formulation not in FORMULATIONS:
-        return f"formulation {formulation!r} is not one of {FORMULATIONS}"
+        return f"formulation {formulation!r} is not one of {tuple(FORMULATIONS)}"
     if sliding_window is not None and not is_causal:
         return "a sliding window is fused with causal masking only (keys in (x - window, x])"
     if device_type == "cuda":
@@ -166,16 +168,9 @@ def launch_groups(p):
     with at most two values of p, at most MAX_LAUNCH_HEADS of them, one launch per value (its power's class is a
     compile-time constant), whose programs run the heads of the run where bit h of head_mask (a signed int32) is set
     for head first + h, and leave at once elsewhere. The paper's mix is one run."""
-    runs = []  # [first, end, {p}]
-    for head, value in enumerate(p):
-        if runs and head - runs[-1][0] < MAX_LAUNCH_HEADS and len(runs[-1][2] | {value}) <= 2:
-            runs[-1][1] = head + 1
-            runs[-1][2].add(value)
-        else:
-            runs.append([head, head + 1, {value}])
     launches = []
-    for first, end, values in runs:
-        for value in sorted(values):
+    for first, end in head_runs(p, lambda run: len(run) <= MAX_LAUNCH_HEADS and len(set(run)) <= 2):
+        for value in sorted(set(p[first:end])):
             mask = sum(1 << (head - first) for head in range(first, end) if p[head] == value)
             launches.append((first, end, value, mask - (1 << 32) if mask >= 1 << 31 else mask))
     return tuple(launches)
@@ -440,6 +435,7 @@ def plap_attention_triton(
     ``config`` (a LaunchConfig) overrides the one of the GPU, and ``blocks`` = (BLOCK_M, BLOCK_N) the tile sizes of
     all three kernels (tests cross tile borders with them).
     """
+    euler = formulation_of(formulation, FORMULATIONS, "triton").self_pair == "euler"
     if config is None and query.device.type == "cuda":
         capability = torch.cuda.get_device_capability(query.device)
         config = launch_config(query.dtype, query.shape[-1], value.shape[-1], capability)
@@ -457,5 +453,5 @@ def plap_attention_triton(
     # A window as long as the keys leaves every causal pair: no window then.
     window = sliding_window if sliding_window is not None and sliding_window < key.shape[2] else 0
     out, *_ = _fused(query, key, value, key_keep, documents, [float(v) for v in p], is_causal, window, float(eps),
-                     formulation == "euler", _flat(config))  # fmt: skip
+                     euler, _flat(config))  # fmt: skip
     return out

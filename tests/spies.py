@@ -1,9 +1,6 @@
 """Spies on the attention dispatcher, shared by the suites that check what it chooses."""
 
-import importlib
-
-# The package exports the function plap_attention under the module's name.
-dispatch = importlib.import_module("modeling_plat.plap_attention")
+from modeling_plat import plap_dispatch as dispatch
 
 
 def record_chosen_backends(monkeypatch):

@@ -14,14 +14,13 @@ import torch.nn.functional as F
 
 from modeling_plat import plap_attention
 from modeling_plat import plap_attention_triton as triton_module
-from modeling_plat.plap_attention import EAGER_MAX_SCORES_PER_THREAD_CPU, choose_backend
+from modeling_plat.plap_dispatch import EAGER_MAX_SCORES_PER_THREAD_CPU, choose_backend
 from modeling_plat.plap_attention_decode import DECODE_MAX_QUERIES
 from modeling_plat.plap_attention_tiled import plap_attention_tiled
 from device import DEVICE, ON_CUDA, TRITON_HALF, needs_cuda
 from reference import reference_plap_attention
 
-# The package exports the function plap_attention under the module's name.
-plap_attention_module = importlib.import_module("modeling_plat.plap_attention")
+plap_attention_module = importlib.import_module("modeling_plat.plap_dispatch")
 TRITON_MISSING = triton_module.triton is None
 needs_triton = pytest.mark.skipif(TRITON_MISSING, reason="triton is not installed (pip install triton)")
 TOLERANCE = {torch.float64: 1e-8, torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 2e-2}

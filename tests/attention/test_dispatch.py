@@ -12,9 +12,8 @@ from spies import dispatch, record_chosen_backends
 from tiny import TEXT_SHAPES, classifier, lm
 from transformers.testing_utils import CaptureLogger
 
-from modeling_plat import modeling_plat as modeling_module
 from modeling_plat import plap_attention_triton as triton_module
-from modeling_plat.plap_attention import Platform
+from modeling_plat.plap_dispatch import Platform
 
 # An H100 as the dispatcher sees it (compute capability 9.0).
 HOPPER = Platform("cuda", (9, 0), threads=torch.get_num_threads(), triton_interpreted=False)
@@ -41,7 +40,7 @@ def test_one_dtype_reaches_the_attention_under_autocast(monkeypatch, shape):
     """Under bf16 autocast (Trainer's --bf16) q, k and v reach plap_attention in bf16 for every model shape (the
     Llama shape's rotary once made q and k float32 beside bf16 values), and on a GPU the fused kernels take them."""
     seen = []
-    attend = modeling_module.plap_attention
+    attend = dispatch.plap_attention
 
     def recording(query, key, value, p, **kwargs):
         seen.append((query.dtype, key.dtype, value.dtype))
@@ -50,7 +49,7 @@ def test_one_dtype_reaches_the_attention_under_autocast(monkeypatch, shape):
         seen.append(on_gpu.name)
         return attend(query, key, value, p, **kwargs)
 
-    monkeypatch.setattr(modeling_module, "plap_attention", recording)
+    monkeypatch.setattr(dispatch, "plap_attention", recording)
     model = tiny_model(shape).train()
     with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
         loss = model(**model_inputs(shape)).loss

@@ -156,7 +156,7 @@ def test_sweep_in_a_spawned_worker():
 
 
 def test_backend_spy_counts_the_dispatchers_choices_and_restores_it():
-    module = sys.modules["modeling_plat.plap_attention"]
+    module = sys.modules["modeling_plat.plap_dispatch"]
     original = module.choose_backend
     q = torch.randn(1, 2, 8, 4)
     with gpu_check.backend_spy() as chosen:

@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from modeling_plat import plap_attention_triton as triton_module
 from modeling_plat import triton_configs
-from modeling_plat.plap_attention import choose_backend, plap_attention
+from modeling_plat.plap_dispatch import choose_backend, plap_attention
 from test_triton_compile import DEFAULT_CASES
 
 pytestmark = pytest.mark.skipif(triton_module.triton is None, reason="triton is not installed")

@@ -82,11 +82,6 @@ def test_llama_family_converts_exactly_at_p2(name):
     (MistralForCausalLM, MistralConfig(**DECODER, num_key_value_heads=2, sliding_window=16), "sliding_window=16"),
     (Qwen2ForCausalLM, Qwen2Config(**DECODER, use_sliding_window=True, sliding_window=16, max_window_layers=1),
      "sliding_window=16"),
-    (LlamaForCausalLM, LlamaConfig(**DECODER, rope_parameters={"rope_type": "linear", "factor": 2.0,
-                                                               "rope_theta": 1e4}), "rope_type 'linear'"),
-    (LlamaForCausalLM, LlamaConfig(**DECODER, rope_parameters={
-        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 32, "rope_theta": 1e4}), "rope_type 'llama3'"),
     (Qwen2ForCausalLM, Qwen2Config(**DECODER, num_experts=4), "num_experts=4"),  # a Llama-family class with experts
     (MixtralForCausalLM, MixtralConfig(**DECODER, num_local_experts=4, sliding_window=None), "MixtralForCausalLM"),
 ])

@@ -8,8 +8,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import modeling_plat  # noqa: F401  (registers attn_implementation="plap")
 from device import DEVICE
+from modeling_plat.cache_name import CACHE_NAME
 from modeling_plat.packing import packed_document_ids
-from tiny import TEXT_SHAPES, lm
+from tiny import LLAMA_SHAPE, TEXT_SHAPES, lm
 
 MODELS = ["plat-gpt2", "plat-llama", "llama-plap"]
 NEW_TOKENS = 5
@@ -107,3 +108,22 @@ def test_right_padding_gives_the_real_tokens_their_logits(shape):
         padded = lm_model(input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
         alone = lm_model(input_ids[:1, :5]).logits
     torch.testing.assert_close(padded[0, :5], alone[0], atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("fields, heads", [({}, (4, 8)), (dict(LLAMA_SHAPE, head_dim=12), (2, 12))],
+                         ids=["gpt2", "llama-head_dim"])  # fmt: skip
+def test_the_cache_has_the_key_value_heads_and_head_dim_that_the_config_reads(fields, heads):
+    """transformers' generation and its checks of a cache read its shape from config.num_key_value_heads and
+    config.head_dim: they read as numbers (unset: the query heads, hidden_size / heads), and each layer's keys and
+    values are (B, num_key_value_heads, T, head_dim), after a forward and after generate."""
+    model = lm(**fields).to(DEVICE)
+    config = model.config
+    assert (config.num_key_value_heads, config.head_dim) == heads
+    input_ids, _ = prompts("none")
+    caches = {7: getattr(model(input_ids, use_cache=True), CACHE_NAME)}
+    generated = model.generate(input_ids, max_new_tokens=3, do_sample=False, return_dict_in_generate=True)
+    caches[9] = getattr(generated, CACHE_NAME)  # the last new token's keys are not computed
+    for length, cache in caches.items():
+        assert len(cache.layers) == config.num_hidden_layers
+        for layer in cache.layers:
+            assert layer.keys.shape == layer.values.shape == (3, heads[0], length, heads[1])

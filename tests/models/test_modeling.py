@@ -81,7 +81,12 @@ def test_llama_shape_config_fields(tmp_path):
     config.save_pretrained(tmp_path)
     reloaded = AutoConfig.from_pretrained(tmp_path)
     assert reloaded.to_dict() | {"_name_or_path": ""} == config.to_dict() | {"_name_or_path": ""}
-    assert config.head_shape() == (2, 8) and text_config().head_shape() == (4, 8)
+    assert (config.num_key_value_heads, config.head_dim) == (2, 8)
+    gpt2_shape = text_config()
+    assert (gpt2_shape.num_key_value_heads, gpt2_shape.head_dim) == (4, 8)  # resolved, as transformers' configs are
+    assert gpt2_shape.to_dict()["head_dim"] is None  # config.json keeps what was given
+    gpt2_shape.num_attention_heads = 2  # set after init, as --config_overrides does: the unset fields follow
+    assert (gpt2_shape.num_key_value_heads, gpt2_shape.head_dim) == (2, 16)
     assert text_config().rope_parameters is None  # learned positions carry no rotary settings
     legacy = text_config(position_embedding_type="rope", rope_scaling={"type": "default", "rope_theta": 1e6})
     assert legacy.rope_parameters == {"rope_type": "default", "rope_theta": 1e6}
@@ -104,15 +109,17 @@ def test_attention_bias_sets_the_query_key_value_and_output_biases_as_llama_does
 
 
 @pytest.mark.parametrize("fields, message", [
-    (dict(position_embedding_type="rope", rope_parameters={"rope_type": "yarn", "factor": 4.0}), "'yarn'"),
-    (dict(position_embedding_type="rope", rope_scaling={"type": "linear", "factor": 2.0}), "'linear'"),
+    (dict(position_embedding_type="rope", rope_parameters={"rope_type": "ntk"}), "rope_type must be one of"),
+    (dict(position_embedding_type="rope", rope_scaling={"type": "linear"}), "'factor'"),
+    (dict(position_embedding_type="rope", partial_rotary_factor=1.5), "partial_rotary_factor"),
+    (dict(position_embedding_type="rope", partial_rotary_factor=0.4), "even number"),
     (dict(rope_theta=1e4), "position_embedding_type='rope'"),
     (dict(position_embedding_type="alibi"), "position_embedding_type"),
     (dict(num_key_value_heads=3), "num_key_value_heads"),
     (dict(norm_type="batchnorm"), "norm_type"),
     (dict(mlp_type="moe"), "mlp_type"),
     (dict(hidden_act="swishy"), "hidden_act"),
-    (dict(position_embedding_type="rope", head_dim=7), "head_dim must be even"),
+    (dict(position_embedding_type="rope", head_dim=7), "rotate pairs of features"),
 ])
 def test_bad_decoder_shapes_are_refused_by_name(fields, message):
     with pytest.raises(ValueError, match=message):
@@ -121,8 +128,8 @@ def test_bad_decoder_shapes_are_refused_by_name(fields, message):
 
 def test_fields_set_after_init_are_checked_as_overrides_are():
     config = text_config(**LLAMA_SHAPE)
-    config.rope_parameters = {"rope_type": "yarn", "factor": 4.0}
-    with pytest.raises(ValueError, match="'yarn'"):
+    config.rope_parameters = {"rope_type": "yarn"}
+    with pytest.raises(ValueError, match="'factor'"):
         config.validate_plat()
     learned = text_config()
     learned.position_embedding_type = "rope"
@@ -236,7 +243,7 @@ def test_lm_outputs_and_loss(shape):
     torch.testing.assert_close(out.loss, expected)
     assert isinstance(getattr(out, CACHE_NAME), Cache)
     key_cache = getattr(out, CACHE_NAME).layers[0].keys
-    assert key_cache.shape == (2, model.config.head_shape()[0], 9, 8)  # (B, key/value heads, T, head_dim)
+    assert key_cache.shape == (2, model.config.num_key_value_heads, 9, 8)  # (B, key/value heads, T, head_dim)
     assert len(out.hidden_states) == 3 and len(out.attentions) == 2
     assert out.attentions[0].shape == (2, 4, 9, 9) and out.attentions[0].requires_grad
     as_tuple = model(ids, labels=ids, output_attentions=True, return_dict=False)

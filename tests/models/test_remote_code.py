@@ -45,7 +45,7 @@ def test_trust_remote_code_in_fresh_process(tmp_path, family):
     auto_map = json.loads((folder / "config.json").read_text())["auto_map"]
     assert auto_map["AutoConfig"] == f"configuration_plat.{type(config).__name__}"
     assert auto_map[auto] == f"modeling_plat.{type(model).__name__}"
-    assert {"modeling_plat.py", "configuration_plat.py", "plap_attention.py"} <= {p.name for p in folder.iterdir()}
+    assert {"modeling_plat.py", "configuration_plat.py", "plap_dispatch.py"} <= {p.name for p in folder.iterdir()}
 
     # The fresh process loads on the CPU (from_pretrained's default) in an environment of transformers alone; the
     # comparison is bit for bit, so the model here computes on the CPU too, on any machine: the same kernels.

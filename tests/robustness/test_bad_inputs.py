@@ -8,6 +8,9 @@ from transformers import StaticCache
 from device import DEVICE, ON_CUDA
 
 from modeling_plat.modeling_plat import _check_range
+from modeling_plat.plap_attention_decode import plap_attention_decode
+from modeling_plat.plap_attention_reference import FORMULATIONS, implemented
+from modeling_plat.plap_attention_tiled import plap_attention_tiled
 from tiny import LLAMA_SHAPE, classifier, lm, text_config, vision_config
 
 
@@ -147,3 +150,20 @@ def test_lm_mismatched_shapes_raise_clear_errors(make_call, message):
 def test_newer_config_version_is_refused():
     with pytest.raises(ValueError, match="newer plat"):
         text_config(plat_config_version=99)
+
+
+@pytest.mark.parametrize("backend", [plap_attention_decode, plap_attention_tiled])
+def test_fast_backends_called_directly_refuse_formulations_they_do_not_implement(backend):
+    """Their code computes paper or euler; any other name would silently get one of those."""
+    q = torch.randn(1, 2, 3, 4, device=DEVICE)
+    for name in FORMULATIONS:
+        if name in ("paper", "euler"):
+            assert backend(q, q, q, p=(1.5, 2.5), formulation=name).shape == q.shape
+        else:
+            with pytest.raises(ValueError, match=f"implements the formulations \\('paper', 'euler'\\), not '{name}'"):
+                backend(q, q, q, p=(1.5, 2.5), formulation=name)
+
+
+def test_a_backend_cannot_declare_a_formulation_the_reference_lacks():
+    with pytest.raises(ValueError, match="'hybrid'"):
+        implemented("paper", "hybrid")

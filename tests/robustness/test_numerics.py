@@ -7,7 +7,7 @@ import torch
 
 from device import DEVICE, ON_CUDA, needs_cuda
 from modeling_plat import BACKENDS, plap_attention
-from modeling_plat.plap_attention import choose_backend
+from modeling_plat.plap_dispatch import choose_backend
 from modeling_plat.plap_attention_decode import DECODE_MAX_QUERIES
 from spies import record_chosen_backends
 from tiny import TEXT_SHAPES, classifier, lm, train_losses

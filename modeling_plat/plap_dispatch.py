@@ -23,7 +23,10 @@ import torch
 import torch.nn.functional as F
 from transformers.utils import logging
 
+from .head_runs import head_runs, one_value
 from .plap_attention_decode import DECODE_MAX_QUERIES, decode_unsupported_reason, plap_attention_decode
+from .plap_attention_decode import FORMULATIONS as DECODE_FORMULATIONS
+from .plap_attention_tiled import FORMULATIONS as TILED_FORMULATIONS
 from .plap_attention_tiled import plap_attention_tiled
 from .plap_attention_reference import FORMULATIONS, allowed_positions, plap_attention_eager
 
@@ -55,11 +58,17 @@ def device_platform(device_type, device_index):
 
 class Backend:
     """A backend's entry point and what it can run: ``run(q, k, v, *, p, attn_mask, is_causal, document_ids, eps,
-    formulation)`` returns the (B, H, Nq, dv) output; ``limits``, when given, states the input limits of its own."""
+    formulation)`` returns the (B, H, Nq, dv) output; ``formulations`` are the names it implements, as its module
+    declares them (``FORMULATIONS``), or a function that returns them for a module imported on first use;
+    ``limits``, when given, states the input limits of its own."""
 
     def __init__(self, name, run, formulations, differentiates_p=False, limits=None):
-        self.name, self.run, self.formulations = name, run, formulations
+        self.name, self.run, self._formulations = name, run, formulations
         self.differentiates_p, self.limits = differentiates_p, limits
+
+    @property
+    def formulations(self):
+        return self._formulations() if callable(self._formulations) else self._formulations
 
     def unsupported_reason(self, query, key, value, *, p, p_trains, attn_mask, document_ids, formulation, platform):
         """Why this backend cannot run the input on this ``Platform``, or None."""
@@ -84,6 +93,12 @@ def _triton(query, key, value, **kwargs):
     return plap_attention_triton(query, key, value, **kwargs)
 
 
+def _triton_formulations():
+    from .plap_attention_triton import FORMULATIONS as TRITON_FORMULATIONS
+
+    return TRITON_FORMULATIONS
+
+
 def _triton_limits(query, key, value, *, platform, **kwargs):
     if platform.device_type == "cpu" and not platform.triton_interpreted:
         return "the Triton kernels need CUDA tensors (CPU tensors run only under TRITON_INTERPRET=1)"
@@ -98,10 +113,10 @@ def _decode_limits(query, key, value, *, platform, **kwargs):
 
 
 REGISTRY = {
-    "eager": Backend("eager", _eager, tuple(FORMULATIONS), differentiates_p=True),
-    "decode": Backend("decode", plap_attention_decode, ("paper", "euler"), limits=_decode_limits),
-    "tiled": Backend("tiled", plap_attention_tiled, ("paper", "euler")),
-    "triton": Backend("triton", _triton, ("paper", "euler"), limits=_triton_limits),
+    "eager": Backend("eager", _eager, FORMULATIONS, differentiates_p=True),
+    "decode": Backend("decode", plap_attention_decode, DECODE_FORMULATIONS, limits=_decode_limits),
+    "tiled": Backend("tiled", plap_attention_tiled, TILED_FORMULATIONS),
+    "triton": Backend("triton", _triton, _triton_formulations, limits=_triton_limits),
 }
 BACKENDS = ("auto", *REGISTRY)
 
@@ -238,14 +253,8 @@ def head_groups(p_values, num_heads):
     """
     if p_values is None:
         return [(0, num_heads, False)]
-    groups = []
-    for head, value in enumerate(p_values):
-        softmax = value == 2
-        if groups and groups[-1][2] == softmax:
-            groups[-1] = (groups[-1][0], head + 1, softmax)
-        else:
-            groups.append((head, head + 1, softmax))
-    return groups
+    softmax = [value == 2 for value in p_values]
+    return [(first, end, softmax[first]) for first, end in head_runs(softmax, one_value)]
 
 
 def _heads(tensor, first, end, num_heads):
@@ -343,3 +352,31 @@ def plap_attention(
                        formulation=formulation)
         )
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs, 1)  # (B, H, Nq, dv)
+
+
+def repeat_kv(hidden_states, repeats):
+    """(B, H_kv, T, d) -> (B, H_kv * repeats, T, d): key/value head j serves query heads j * repeats to
+    (j + 1) * repeats - 1, as in transformers' repeat_kv. One repeat_interleave: ~2 us less per tensor than an expand
+    and a reshape, a decoding step's cost at small sizes."""
+    return hidden_states if repeats == 1 else hidden_states.repeat_interleave(repeats, dim=1)
+
+
+def layer_attention(
+    query, key, value, *, p, attn_mask=None, is_causal=False, document_ids=None, eps=1e-6, formulation="paper",
+    backend="auto", dropout=0.0, output_attentions=False,
+):  # fmt: skip
+    """What an attention layer computes (p-LaT's own and, through ``attn_implementation="plap"``, transformers'):
+    (output (B, H, Nq, dv), effective weights (B, H, Nq, Nk) or None).
+
+    ``key`` and ``value`` have H_kv heads, H_kv dividing the H of ``query`` (grouped-query attention: a query head's
+    distances are those of its key/value head, its p its own). ``dropout`` (the probability, 0 outside training) and
+    ``output_attentions`` need the (B, H, Nq, Nk) weights, which only the eager reference materialises; otherwise
+    ``plap_attention`` chooses the backend. Other arguments as ``plap_attention``.
+    """
+    repeats = query.shape[1] // key.shape[1]
+    key, value = repeat_kv(key, repeats), repeat_kv(value, repeats)  # (B, H, Nk, d)
+    options = dict(p=p, attn_mask=attn_mask, is_causal=is_causal, document_ids=document_ids, eps=eps,
+                   formulation=formulation)  # fmt: skip
+    if dropout > 0 or output_attentions:
+        return plap_attention_eager(query, key, value, **options, dropout=dropout, output_attentions=output_attentions)
+    return plap_attention(query, key, value, **options, backend=backend), None
