@@ -37,9 +37,10 @@ def plap_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_fun
               attention_mask=None, allow_is_causal_skip=True, **kwargs):  # fmt: skip
     """A boolean mask (True = may attend) for ``plap_attention_forward``, queries being the last keys.
 
-    A plain causal or bidirectional pattern becomes None or a (B, 1, 1, Nk) key-padding mask, the module's
-    ``is_causal`` adding causality: the fused kernels take those, not a (B, 1, Nq, Nk) mask. Any other pattern (sliding
-    windows, chunks, packed rows, overlays) is transformers' own ``sdpa_mask``. p-LaT weighs each key by its value's
+    A plain causal or bidirectional pattern, or a causal sliding window, becomes None or a (B, 1, 1, Nk) key-padding
+    mask, the module's ``is_causal`` and the ``sliding_window`` that transformers passes to the attention function
+    adding the rest: the fused kernels take those, not a (B, 1, Nq, Nk) mask. Any other pattern (chunks, packed rows,
+    overlays) is transformers' own ``sdpa_mask``. p-LaT weighs each key by its value's
     distance to the query's own value, which it finds at the bottom-right diagonal: cross-attention, and a static
     cache (which hands back its whole fixed length, empty slots included), are refused.
     """
@@ -49,13 +50,30 @@ def plap_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_fun
             "with its own value: cross-attention cannot run p-LaT, nor can a static cache (generate("
             "cache_implementation='static')); use a DynamicCache"
         )
-    if allow_is_causal_skip and mask_function in (causal_mask_function, bidirectional_mask_function):
-        padding = prepare_padding_mask(attention_mask, kv_length, kv_offset)  # (B, Nk) or None
+    plain = mask_function in (causal_mask_function, bidirectional_mask_function)
+    if allow_is_causal_skip and (plain or _is_sliding_window(mask_function, kwargs.get("local_size"))):
+        padding = prepare_padding_mask(attention_mask, kv_length, kv_offset)  # (B, kv_offset + Nk) or None
+        if padding is not None:
+            padding = padding[:, kv_offset : kv_offset + kv_length]  # a sliding cache's keys start at kv_offset
         if padding is None or (not torch.compiler.is_compiling() and bool(padding.all())):
             return None
         return padding[:, None, None, :]  # (B, 1, 1, Nk)
     return sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function=mask_function,
                      attention_mask=attention_mask, allow_is_causal_skip=allow_is_causal_skip, **kwargs)  # fmt: skip
+
+
+def _is_sliding_window(mask_function, window):
+    """Whether ``mask_function`` is transformers' causal sliding window of ``window`` keys, (x - window, x] for the
+    query at x: probed at the window's edges, where a chunked pattern of that size (Llama 4) differs. Such a mask
+    becomes a size: the models that build it pass ``sliding_window`` to their attention function, as FlashAttention
+    needs (transformers' own flash_attention_mask likewise drops the pattern)."""
+    if window is None or isinstance(window, torch.Tensor):
+        return False
+    index = lambda position: torch.tensor(position)  # noqa: E731
+    query = 2 * window + 1
+    probes = {query - window: False, query - window + 1: True, query: True, query + 1: False, window - 1: False}
+    return all(bool(mask_function(index(0), index(0), index(query), index(key))) == allowed
+               for key, allowed in probes.items())  # fmt: skip
 
 
 def _layer_p(plap_p, num_layers, num_heads, layer_idx):
@@ -159,11 +177,13 @@ def plap_attention_forward(module, query, key, value, attention_mask, dropout=0.
     head_dim = query.shape[-1]
     if scaling is not None and not math.isclose(scaling * math.sqrt(head_dim), 1.0, rel_tol=1e-12):
         query = query * (scaling * math.sqrt(head_dim))  # plap_attention scales by 1 / sqrt(d)
-    # A mask with one row per query carries the causal pattern itself (plap_mask); a key-padding one does not.
+    # A mask with one row per query carries the causal pattern and any window itself (plap_mask); a key-padding one
+    # does not: the window then comes as its size, as transformers passes it to every attention function.
     full_mask = attention_mask is not None and attention_mask.shape[-2] != 1
+    sliding_window = None if full_mask or not is_causal else kwargs.get("sliding_window")
     out, weights = layer_attention(
-        query, key, value, p=p, attn_mask=attention_mask, is_causal=is_causal and not full_mask, eps=eps,
-        formulation=formulation, backend=backend, dropout=dropout,
+        query, key, value, p=p, attn_mask=attention_mask, is_causal=is_causal and not full_mask,
+        sliding_window=sliding_window, eps=eps, formulation=formulation, backend=backend, dropout=dropout,
         output_attentions=kwargs.get("output_attentions", False),
     )  # fmt: skip
     return out.transpose(1, 2).contiguous(), weights  # (B, Nq, H, d)

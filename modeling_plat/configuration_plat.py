@@ -237,6 +237,8 @@ class PlatConfig(PlatConfigBase):
             to rotate only that fraction of each head's features. `rope_theta=`, `partial_rotary_factor=` or the
             older `rope_scaling=` dict are read into it.
         use_cache (`bool`, defaults to `True`): return the key/value cache for generation.
+        sliding_window (`int`, *optional*): every layer's token at position x attends to the tokens in
+            (x - sliding_window, x] only, as Mistral's layers do (transformers' definition); None: to every earlier one.
         tie_word_embeddings (`bool`, defaults to `True`): share the LM head with the token embeddings.
         Further arguments: the transformer and p-LaT fields of `PlatConfigBase`.
     """
@@ -246,8 +248,9 @@ class PlatConfig(PlatConfigBase):
     family_sizes = ("vocab_size", "max_position_embeddings")
 
     def __init__(self, vocab_size=10000, max_position_embeddings=256, position_embedding_type="learned",
-                 rope_parameters=None, use_cache=True, tie_word_embeddings=True, **kwargs):
+                 rope_parameters=None, use_cache=True, sliding_window=None, tie_word_embeddings=True, **kwargs):
         self.vocab_size = vocab_size
+        self.sliding_window = sliding_window
         self.max_position_embeddings = max_position_embeddings
         self.position_embedding_type = position_embedding_type
         # Read here and set after transformers' own init, whose rotary standardisation would give every config
@@ -264,6 +267,9 @@ class PlatConfig(PlatConfigBase):
 
     def validate_plat(self):
         super().validate_plat()
+        window = self.sliding_window
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+            raise ValueError(f"sliding_window must be an integer >= 1 or None; got {window!r}")
         if self.position_embedding_type not in POSITION_EMBEDDING_TYPES:
             raise ValueError(
                 f"position_embedding_type must be one of {POSITION_EMBEDDING_TYPES}; "

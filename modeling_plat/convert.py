@@ -80,7 +80,6 @@ def _gpt2_config(src, overrides):
 
 # Source fields whose setting p-LaT cannot represent, when set to anything but "off" (None, False, 0).
 _LLAMA_FAMILY_UNSUPPORTED = (
-    "sliding_window",  # Mistral, and Qwen2 with use_sliding_window (its config clears it otherwise)
     "attn_logit_softcapping",
     "final_logit_softcapping",
     "num_experts",
@@ -91,13 +90,18 @@ _LLAMA_FAMILY_UNSUPPORTED = (
 def _llama_config(src, overrides):
     """Llama, Qwen2 and Mistral: rotary positions, RMSNorm, gated MLP, grouped-query attention."""
     in_use = [f"{name}={getattr(src, name)!r}" for name in _LLAMA_FAMILY_UNSUPPORTED if getattr(src, name, None)]
-    layer_types = set(getattr(src, "layer_types", None) or ()) - {"full_attention"}
-    if layer_types:
+    # One window for every layer (Mistral) converts; layers of different kinds (Qwen2's use_sliding_window from
+    # max_window_layers on) do not.
+    layer_types = set(getattr(src, "layer_types", None) or ())
+    sliding_window = getattr(src, "sliding_window", None)
+    if len(layer_types) > 1 or layer_types - {"full_attention", "sliding_attention"}:
         in_use.append(f"layer_types with {sorted(layer_types)}")
+    elif layer_types == {"full_attention"}:
+        sliding_window = None
     if in_use:
         raise ValueError(
-            f"{type(src).__name__} settings without a p-LaT equivalent: {', '.join(in_use)} (sliding-window "
-            "attention, logit softcapping and mixtures of experts do not convert; a checkpoint only ever run on "
+            f"{type(src).__name__} settings without a p-LaT equivalent: {', '.join(in_use)} (sliding windows in some "
+            "layers only, logit softcapping and mixtures of experts do not convert; a checkpoint only ever run on "
             "sequences shorter than its sliding_window converts after setting config.sliding_window = None)"
         )
     # Llama's attention_bias covers q, k, v and o; Qwen2 has q/k/v biases only; Mistral none.
@@ -109,7 +113,7 @@ def _llama_config(src, overrides):
         "intermediate_size": src.intermediate_size, "hidden_act": src.hidden_act, "mlp_type": "gated",
         "norm_type": "rmsnorm", "rms_norm_eps": src.rms_norm_eps, "position_embedding_type": "rope",
         "rope_parameters": dict(src.rope_parameters), "max_position_embeddings": src.max_position_embeddings,
-        "qkv_bias": qkv_bias, "o_proj_bias": getattr(src, "attention_bias", False),
+        "sliding_window": sliding_window, "qkv_bias": qkv_bias, "o_proj_bias": getattr(src, "attention_bias", False),
         "mlp_bias": getattr(src, "mlp_bias", False), "hidden_dropout_prob": 0.0,
         "attention_probs_dropout_prob": src.attention_dropout, "initializer_range": src.initializer_range,
         "tie_word_embeddings": src.tie_word_embeddings, "bos_token_id": src.bos_token_id,

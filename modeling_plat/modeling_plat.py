@@ -123,8 +123,11 @@ class PlatAttention(nn.Module):
             query, key = apply_rotary(query, *position_embeddings), apply_rotary(key, *position_embeddings)
         if cache is not None:
             key, value = cache.update(key, value, self.layer_idx)  # (B, H_kv, T, d)
+            if attn_mask is not None and attn_mask.shape[-1] > key.shape[-2]:
+                attn_mask = attn_mask[..., -key.shape[-2] :]  # a sliding window's cache keeps the last keys only
+        window = getattr(self.config, "sliding_window", None) if self.is_causal else None  # the text family's
         attn_output, weights = layer_attention(
-            query, key, value, p=self.p_values, attn_mask=attn_mask, is_causal=self.is_causal,
+            query, key, value, p=self.p_values, attn_mask=attn_mask, is_causal=self.is_causal, sliding_window=window,
             document_ids=document_ids, eps=self.config.plap_eps, formulation=self.config.plap_formulation,
             backend=self.config.plap_backend, dropout=self.attn_dropout if self.training else 0.0,
             output_attentions=output_attentions,

@@ -93,6 +93,14 @@ def allowed_positions(attn_mask, is_causal, num_queries, num_keys, device, docum
     return allowed
 
 
+def sliding_window_positions(num_queries, num_keys, window, device):
+    """(Nq, Nk) boolean mask of a causal sliding window: the query at key position x (bottom-right aligned) may attend
+    to the keys in (x - window, x], as transformers defines the window."""
+    query_pos = torch.arange(num_queries, device=device) + (num_keys - num_queries)
+    key_pos = torch.arange(num_keys, device=device)[None, :]
+    return (key_pos <= query_pos[:, None]) & (key_pos > query_pos[:, None] - window)
+
+
 def self_pairs(num_queries, num_keys, device):
     """(Nq, Nk) boolean mask of the pairs (x, x): query i against its own key position Nk - Nq + i."""
     query_pos = torch.arange(num_queries, device=device) + (num_keys - num_queries)

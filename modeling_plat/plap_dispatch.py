@@ -28,7 +28,9 @@ from .plap_attention_decode import DECODE_MAX_QUERIES, decode_unsupported_reason
 from .plap_attention_decode import FORMULATIONS as DECODE_FORMULATIONS
 from .plap_attention_tiled import FORMULATIONS as TILED_FORMULATIONS
 from .plap_attention_tiled import plap_attention_tiled
-from .plap_attention_reference import FORMULATIONS, allowed_positions, plap_attention_eager
+from .plap_attention_reference import (
+    FORMULATIONS, allowed_positions, plap_attention_eager, sliding_window_positions,
+)  # fmt: skip
 
 # On CPU the eager backend beats the tiled one up to this many scores (B * H * Nq * Nk of the heads with p != 2)
 # per intra-op thread: its few large kernels cost less than the tiled loop's per-call overhead. Re-derive with
@@ -60,26 +62,42 @@ class Backend:
     """A backend's entry point and what it can run: ``run(q, k, v, *, p, attn_mask, is_causal, document_ids, eps,
     formulation)`` returns the (B, H, Nq, dv) output; ``formulations`` are the names it implements, as its module
     declares them (``FORMULATIONS``), or a function that returns them for a module imported on first use;
-    ``limits``, when given, states the input limits of its own."""
+    ``limits``, when given, states the input limits of its own. A backend with ``windows`` takes a causal sliding
+    window as a size (``run(..., sliding_window=w)``, its limits too); the others get it as part of ``attn_mask``."""
 
-    def __init__(self, name, run, formulations, differentiates_p=False, limits=None):
+    def __init__(self, name, run, formulations, differentiates_p=False, limits=None, windows=False):
         self.name, self.run, self._formulations = name, run, formulations
-        self.differentiates_p, self.limits = differentiates_p, limits
+        self.differentiates_p, self.limits, self.windows = differentiates_p, limits, windows
 
     @property
     def formulations(self):
         return self._formulations() if callable(self._formulations) else self._formulations
 
-    def unsupported_reason(self, query, key, value, *, p, p_trains, attn_mask, document_ids, formulation, platform):
-        """Why this backend cannot run the input on this ``Platform``, or None."""
+    def unsupported_reason(self, query, key, value, *, p, p_trains, attn_mask, document_ids, formulation, platform,
+                           is_causal=False, sliding_window=None):  # fmt: skip
+        """Why this backend cannot run the input on this ``Platform``, or None (``attn_mask`` and ``sliding_window`` as
+        ``inputs_for`` gives them)."""
         if p_trains and not self.differentiates_p:
             return f"backend {self.name!r} computes no gradient for p, which requires grad; use 'eager'"
         if formulation not in self.formulations:
             return f"backend {self.name!r} does not implement formulation {formulation!r}; use 'eager'"
         if self.limits is not None:
+            window = dict(is_causal=is_causal, sliding_window=sliding_window) if self.windows else {}
             return self.limits(query, key, value, p=p, attn_mask=attn_mask, document_ids=document_ids,
-                               formulation=formulation, platform=platform)
+                               formulation=formulation, platform=platform, **window)  # fmt: skip
         return None
+
+    def inputs_for(self, attn_mask, sliding_window, num_queries, num_keys, device):
+        """(attn_mask, sliding_window) as this backend takes them: the window as a size, or within the mask."""
+        if sliding_window is None or self.windows:
+            return attn_mask, sliding_window
+        return with_window(attn_mask, sliding_window, num_queries, num_keys, device), None
+
+
+def with_window(attn_mask, sliding_window, num_queries, num_keys, device):
+    """``attn_mask`` (or None) and a causal sliding window's (Nq, Nk) band, as one boolean mask."""
+    band = sliding_window_positions(num_queries, num_keys, sliding_window, device)
+    return band if attn_mask is None else attn_mask & band
 
 
 def _eager(query, key, value, **kwargs):
@@ -116,7 +134,7 @@ REGISTRY = {
     "eager": Backend("eager", _eager, FORMULATIONS, differentiates_p=True),
     "decode": Backend("decode", plap_attention_decode, DECODE_FORMULATIONS, limits=_decode_limits),
     "tiled": Backend("tiled", plap_attention_tiled, TILED_FORMULATIONS),
-    "triton": Backend("triton", _triton, _triton_formulations, limits=_triton_limits),
+    "triton": Backend("triton", _triton, _triton_formulations, limits=_triton_limits, windows=True),
 }
 BACKENDS = ("auto", *REGISTRY)
 
@@ -155,8 +173,8 @@ def _log_fallback(message):
     return True
 
 
-def choose_backend(backend, query, key, value, *, p, p_trains=False, attn_mask=None, document_ids=None,
-                   formulation="paper", platform=None):
+def choose_backend(backend, query, key, value, *, p, p_trains=False, attn_mask=None, is_causal=False,
+                   sliding_window=None, document_ids=None, formulation="paper", platform=None):  # fmt: skip
     """The backend that runs these heads: ``backend`` itself when it can (else a ValueError saying why), or for
     "auto" the first of ``preference`` with no objection. ``platform`` defaults to the inputs' device's."""
     if backend not in BACKENDS:
@@ -166,9 +184,11 @@ def choose_backend(backend, query, key, value, *, p, p_trains=False, attn_mask=N
     candidates = preference(query, key, platform) if backend == "auto" else (backend,)
     reasons = []
     for name in candidates:
+        mask, window = REGISTRY[name].inputs_for(attn_mask, sliding_window, query.shape[-2], key.shape[-2],
+                                                 query.device)  # fmt: skip
         reason = REGISTRY[name].unsupported_reason(
-            query, key, value, p=p, p_trains=p_trains, attn_mask=attn_mask, document_ids=document_ids,
-            formulation=formulation, platform=platform,
+            query, key, value, p=p, p_trains=p_trains, attn_mask=mask, is_causal=is_causal, sliding_window=window,
+            document_ids=document_ids, formulation=formulation, platform=platform,
         )  # fmt: skip
         if reason is None:
             break
@@ -227,6 +247,17 @@ def _check_inputs(query, key, value, num_p, attn_mask, document_ids, eps, formul
             )
         if document_ids.is_floating_point() or document_ids.dtype == torch.bool:
             raise ValueError(f"document_ids must be integers; got {document_ids.dtype}")
+
+
+def _checked_window(sliding_window, is_causal, num_keys):
+    """The window's size, or None where it leaves every causal pair (at least as long as the keys)."""
+    if sliding_window is None:
+        return None
+    if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1:
+        raise ValueError(f"sliding_window must be an integer >= 1 or None; got {sliding_window!r}")
+    if not is_causal:
+        raise ValueError("sliding_window needs is_causal=True: the window is (x - sliding_window, x] of each query x")
+    return sliding_window if sliding_window < num_keys else None
 
 
 def _static_p(p, num_heads):
@@ -304,8 +335,8 @@ def _one_dtype(query, key, value):
 
 
 def plap_attention(
-    query, key, value, p, *, attn_mask=None, is_causal=False, document_ids=None, eps=1e-6, formulation="paper",
-    backend="auto",
+    query, key, value, p, *, attn_mask=None, is_causal=False, sliding_window=None, document_ids=None, eps=1e-6,
+    formulation="paper", backend="auto",
 ):  # fmt: skip
     """p-Laplacian attention of (B, H, N, d) inputs with one exponent per head.
 
@@ -318,6 +349,8 @@ def plap_attention(
         attn_mask: optional boolean mask broadcastable to (B, H, Nq, Nk), True = may attend
             (the ``scaled_dot_product_attention`` convention).
         is_causal: causal mask, bottom-right aligned when Nq < Nk.
+        sliding_window: with ``is_causal``, the query at key position x attends to the keys in (x - sliding_window,
+            x] only, as transformers defines the window (the fused kernels visit only those keys' tiles).
         document_ids: optional (B, N) integers of packed rows (Nq == Nk): a token attends only within its
             document, so that each document gets what it gets alone.
         eps: added to the squared distances before the power.
@@ -332,24 +365,28 @@ def plap_attention(
     p_values, p_tensor = _static_p(p, num_heads)
     num_p = len(p_values) if p_values is not None else p_tensor.numel()
     _check_inputs(query, key, value, num_p, attn_mask, document_ids, eps, formulation)
+    sliding_window = _checked_window(sliding_window, is_causal, key.shape[-2])
     query, key, value = _one_dtype(query, key, value)
     if p_values is not None and not all(math.isfinite(v) and v >= 1 for v in p_values):
         raise ValueError(f"p must be finite and >= 1; got {list(p_values)}")
-    outputs = []
+    outputs, lengths = [], (query.shape[-2], key.shape[-2])
     for first, end, softmax in head_groups(None if p_tensor is not None else p_values, num_heads):
         q, k, v = (_heads(t, first, end, num_heads) for t in (query, key, value))
         mask = _heads(attn_mask, first, end, num_heads)
         if softmax:
+            mask = mask if sliding_window is None else with_window(mask, sliding_window, *lengths, query.device)
             outputs.append(softmax_attention(q, k, v, attn_mask=mask, is_causal=is_causal, document_ids=document_ids))
             continue
         group_p = p_tensor if p_tensor is not None else p_values[first:end]
         chosen = choose_backend(
-            backend, q, k, v, p=group_p, p_trains=p_tensor is not None, attn_mask=mask, document_ids=document_ids,
-            formulation=formulation,
+            backend, q, k, v, p=group_p, p_trains=p_tensor is not None, attn_mask=mask, is_causal=is_causal,
+            sliding_window=sliding_window, document_ids=document_ids, formulation=formulation,
         )  # fmt: skip
+        mask, window = chosen.inputs_for(mask, sliding_window, *lengths, query.device)
+        window = {} if window is None else dict(sliding_window=window)
         outputs.append(
             chosen.run(q, k, v, p=group_p, attn_mask=mask, is_causal=is_causal, document_ids=document_ids, eps=eps,
-                       formulation=formulation)
+                       formulation=formulation, **window)
         )
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs, 1)  # (B, H, Nq, dv)
 
@@ -362,8 +399,8 @@ def repeat_kv(hidden_states, repeats):
 
 
 def layer_attention(
-    query, key, value, *, p, attn_mask=None, is_causal=False, document_ids=None, eps=1e-6, formulation="paper",
-    backend="auto", dropout=0.0, output_attentions=False,
+    query, key, value, *, p, attn_mask=None, is_causal=False, sliding_window=None, document_ids=None, eps=1e-6,
+    formulation="paper", backend="auto", dropout=0.0, output_attentions=False,
 ):  # fmt: skip
     """What an attention layer computes (p-LaT's own and, through ``attn_implementation="plap"``, transformers'):
     (output (B, H, Nq, dv), effective weights (B, H, Nq, Nk) or None).
@@ -378,5 +415,8 @@ def layer_attention(
     options = dict(p=p, attn_mask=attn_mask, is_causal=is_causal, document_ids=document_ids, eps=eps,
                    formulation=formulation)  # fmt: skip
     if dropout > 0 or output_attentions:
+        window = _checked_window(sliding_window, is_causal, key.shape[-2])
+        if window is not None:
+            options["attn_mask"] = with_window(attn_mask, window, query.shape[-2], key.shape[-2], query.device)
         return plap_attention_eager(query, key, value, **options, dropout=dropout, output_attentions=output_attentions)
-    return plap_attention(query, key, value, **options, backend=backend), None
+    return plap_attention(query, key, value, **options, sliding_window=sliding_window, backend=backend), None

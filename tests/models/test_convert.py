@@ -44,6 +44,8 @@ LLAMA_FAMILY = {
                                                             attention_bias=True, mlp_bias=True)),
     "qwen2-mqa-tied": (Qwen2ForCausalLM, Qwen2Config(**DECODER, num_key_value_heads=1, tie_word_embeddings=True)),
     "mistral-mha": (MistralForCausalLM, MistralConfig(**DECODER, num_key_value_heads=4, sliding_window=None)),
+    # A window of 4 keys, shorter than the inputs: every layer keeps it (PlatConfig.sliding_window).
+    "mistral-window": (MistralForCausalLM, MistralConfig(**DECODER, num_key_value_heads=2, sliding_window=4)),
 }
 
 
@@ -65,6 +67,7 @@ def test_llama_family_converts_exactly_at_p2(name):
     plat = convert_to_plat(source, plap_p=2.0).to(DEVICE)
     config = plat.config
     assert config.num_key_value_heads == source.config.num_key_value_heads
+    assert config.sliding_window == getattr(source.config, "sliding_window", None)
     assert config.rope_parameters["rope_theta"] == source.config.rope_parameters["rope_theta"]
     assert (plat.lm_head.weight is plat.model.embed_tokens.weight) == source.config.tie_word_embeddings
     ids = torch.randint(3, 61, (3, 11)).to(DEVICE)
@@ -79,9 +82,9 @@ def test_llama_family_converts_exactly_at_p2(name):
 
 
 @pytest.mark.parametrize("model_class, config, field", [
-    (MistralForCausalLM, MistralConfig(**DECODER, num_key_value_heads=2, sliding_window=16), "sliding_window=16"),
+    # Windows in some layers only (Qwen2's use_sliding_window from max_window_layers on).
     (Qwen2ForCausalLM, Qwen2Config(**DECODER, use_sliding_window=True, sliding_window=16, max_window_layers=1),
-     "sliding_window=16"),
+     "layer_types"),
     (Qwen2ForCausalLM, Qwen2Config(**DECODER, num_experts=4), "num_experts=4"),  # a Llama-family class with experts
     (MixtralForCausalLM, MixtralConfig(**DECODER, num_local_experts=4, sliding_window=None), "MixtralForCausalLM"),
 ])
