@@ -10,7 +10,8 @@ Sections, each a list of JSON rows in the record (a row that failed says why in 
 - sweep: ``backend="auto"`` and ``"triton"`` against the float64 eager reference on the same GPU: float32 /
   bfloat16 / float16 x head sizes 16, 48, 64, 80, 128 x paper / euler x (no mask, causal + key padding) x
   (Nq = Nk, Nq < Nk): the output and the gradients of q, k and v (relative errors within the tolerances of
-  tests/attention/test_backends.py) and a second run that must be bitwise identical. Then values with exact
+  tests/attention/test_backends.py) and a second run that must be bitwise identical; the Triton cases also with
+  each kernel's first pass then its exact pass (the sweep's small calls run the exact pass alone). Then values with exact
   duplicates (repeated tokens: D2 = 0 off the diagonal) and packed rows (document_ids) against each document
   alone, at head sizes 16, 64 and 128; eager and tiled in float32 on duplicates under TF32 matmuls
   (torch.backends.cuda.matmul.allow_tf32), within TF32's own error (the scores' and outputs' matmuls round to
@@ -24,6 +25,9 @@ Sections, each a list of JSON rows in the record (a row that failed says why in 
   (8, 12, 1024, 64), (2, 16, 4096, 64), (2, 16, 4096, 128) and (1, 8, 16384, 64) causal. TFLOP/s are against
   each algorithm's matmul floor (multiply-adds per score and head-size unit: p-LaT 3 forward, 11 forward +
   backward; softmax 2 and 7; causal shapes count half).
+- envelope: what reached the fused kernels last, against SDPA given the same pattern as a boolean mask: a sliding
+  window of 4,096 over 16k tokens (and FlashAttention-2's own window where flash_attn is installed), head size 256
+  at 4k, packed rows of five documents at 4k; the backends auto chose.
 - kernels: the GPU kernels of one bfloat16 plap_attention forward + backward, by name, from torch.profiler: launches
   per call, microseconds per call and per launch in launch order (a kernel's first pass, then its exact pass), at the
   paper LM's and the kernel-speed shapes (4k, 4k-d128, 16k, paper mix) and at 4k with every head at p = 1.5 (one
@@ -35,6 +39,8 @@ Sections, each a list of JSON rows in the record (a row that failed says why in 
 - compile: the plat-ptb-tiny and plat-llama-tiny presets' training steps under torch.compile(fullgraph=True)
   against eager (first-call and step times, graphs, graph breaks), the first also with mode="reduce-overhead"
   (CUDA graphs), and greedy generation with model.forward compiled (fullgraph): graphs, tokens against eager.
+- fallback: where the kernels cannot run (a (B, H, N, N) mask), the eager and tiled backends' forward + backward
+  time and peak memory at 512, 2k and 8k tokens: what auto should take on CUDA.
 - decode: greedy decoding with the KV cache in bfloat16, benchmarks/bench_decode.py's GPT-2 and Llama shapes
   at batch 1 and 8, against transformers' models (SDPA).
 - main-job: the README's main job, ``run_clm.py plat-ptb-tiny.yaml --bf16 true`` in a temporary folder: its
@@ -78,10 +84,11 @@ from modeling_plat import paper_p_mix
 from modeling_plat.plap_dispatch import choose_backend, plap_attention
 
 ROOT = Path(__file__).resolve().parents[1]
-SECTIONS = ("sweep", "attention", "kernels", "train", "compile", "decode", "main-job")
+SECTIONS = ("sweep", "attention", "envelope", "kernels", "train", "compile", "fallback", "decode", "main-job")
 # Seconds each section is expected to take on an H100, estimated (kernel builds and Inductor compiles dominate),
 # which the budget guard adds to the time used before starting it.
-EXPECTED_S = {"sweep": 90, "attention": 45, "kernels": 20, "train": 60, "compile": 150, "decode": 40, "main-job": 90}
+EXPECTED_S = {"sweep": 150, "attention": 45, "envelope": 40, "kernels": 20, "train": 60, "compile": 150, "fallback": 25,
+              "decode": 40, "main-job": 90}
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 HEAD_DIMS = (16, 48, 64, 80, 128)
@@ -503,6 +510,112 @@ def attention_section(device, log, shapes=ATTENTION_SHAPES, warmup=3, repeats=10
     return rows
 
 
+# ------------------------------------------------------------------------------------------------- envelope
+
+# name: (batch, heads, length, head size, what the inputs add): the inputs that reached the fused kernels last
+ENVELOPE_SHAPES = {
+    "window-4096-16k": (1, 8, 16384, 64, dict(sliding_window=4096)),  # Mistral's window over 16k tokens
+    "d256-4k": (2, 8, 4096, 256, {}),  # Gemma 2/3's head size
+    "packed-4k": (1, 16, 4096, 64, dict(documents=(1000, 24, 1500, 800, 772))),  # padding-free training
+}
+ENVELOPE_LIMIT = 3.0  # forward + backward against SDPA given the same pattern
+
+
+def flash_window(q, k, v, window):
+    """FlashAttention-2's own sliding window (the flash_attn package), where installed."""
+    from flash_attn import flash_attn_func
+
+    # (B, N, H, d); keys in [x - (window - 1), x].
+    out = flash_attn_func(*(t.transpose(1, 2) for t in (q, k, v)), causal=True, window_size=(window - 1, 0))
+    return out.transpose(1, 2)
+
+
+def envelope_row(name, shape, device, warmup, repeats):
+    """p-LaT (auto) against SDPA given the same pattern as a boolean mask (its default backend chooses), and
+    FlashAttention-2's window where installed; forward + backward, peak memory, the backends auto chose."""
+    from modeling_plat.plap_attention_reference import allowed_positions, sliding_window_positions
+
+    batch, heads, length, head_dim, extra = shape
+    q, k, v, grad_out = bf16_attention_inputs(batch, heads, length, head_dim, device)
+    p = tuple(paper_p_mix(heads))
+    kwargs, mask, baselines = dict(is_causal=True), None, {}
+    if "sliding_window" in extra:
+        kwargs["sliding_window"] = extra["sliding_window"]
+        mask = sliding_window_positions(length, length, extra["sliding_window"], device)
+        baselines["flash-window"] = functools.partial(flash_window, q, k, v, extra["sliding_window"])
+    if "documents" in extra:
+        ids = torch.repeat_interleave(torch.arange(len(extra["documents"]), device=device),
+                                      torch.tensor(extra["documents"], device=device))[None].expand(batch, -1)
+        kwargs["document_ids"] = ids
+        mask = allowed_positions(None, True, length, length, device, ids)
+    work = sum(min(i + 1, extra.get("sliding_window", length)) for i in range(length)) * batch * heads * head_dim
+    row = dict(name=name, batch=batch, heads=heads, length=length, head_dim=head_dim,
+               pattern={key: value for key, value in extra.items()})  # fmt: skip
+    measure = functools.partial(attention_timings, inputs=(q, k, v), grad_out=grad_out, work=work, device=device,
+                                warmup=warmup, repeats=repeats)  # fmt: skip
+    try:
+        with backend_spy() as chosen:
+            row["plat"] = measure(lambda: plap_attention(q, k, v, p, **kwargs), floor=MATMUL_FLOOR["plat"])
+        row["plat"]["backends"] = dict(chosen)
+    except Exception as error:
+        row.update(error_fields(error))
+
+    def sdpa_pattern():
+        if mask is None:
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    for label, call in {"sdpa": sdpa_pattern, **baselines}.items():
+        try:
+            row[label] = measure(call, floor=MATMUL_FLOOR["sdpa"])
+            row[f"ratio_to_{label}"] = dict(fwd=row["plat"]["fwd_ms"] / row[label]["fwd_ms"],
+                                            fwd_bwd=row["plat"]["fwd_bwd_ms"] / row[label]["fwd_bwd_ms"])  # fmt: skip
+        except Exception as error:  # a baseline not installed, or a failed row of ours: recorded above
+            row[label] = dict(unavailable=f"{type(error).__name__}: {error}")
+    return row
+
+
+def envelope_section(device, log, shapes=ENVELOPE_SHAPES, warmup=3, repeats=10):
+    rows = []
+    for name, shape in shapes.items():
+        rows.append(envelope_row(name, shape, device, warmup, repeats))
+        ratio = rows[-1].get("ratio_to_sdpa", {}).get("fwd_bwd")
+        log(f"envelope {name}: plat fwd+bwd / sdpa {ratio} {rows[-1].get('plat', {}).get('backends')} "
+            f"{rows[-1].get('error', '')}")
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------- fallback
+
+# Inputs the fused kernels refuse (a (B, H, N, N) mask, p that trains): eager against tiled on CUDA, bfloat16.
+FALLBACK_SHAPES = {"512": (4, 8, 512, 64), "2k": (2, 8, 2048, 64), "8k": (1, 8, 8192, 64)}
+
+
+def fallback_section(device, log, shapes=FALLBACK_SHAPES, warmup=2, repeats=5):
+    """Forward + backward time and peak memory of the eager and tiled backends where the kernels cannot run: what
+    ``auto`` should take on CUDA for them."""
+    rows = []
+    for name, (batch, heads, length, head_dim) in shapes.items():
+        q, k, v, grad_out = bf16_attention_inputs(batch, heads, length, head_dim, device)
+        mask = torch.rand(batch, heads, length, length, device=device) > 0.1  # a full mask: no kernel takes it
+        p = tuple(paper_p_mix(heads))
+        row = dict(name=name, batch=batch, heads=heads, length=length, head_dim=head_dim)
+        for backend in ("eager", "tiled"):
+            try:
+                row[backend] = attention_timings(lambda: plap_attention(q, k, v, p, attn_mask=mask, backend=backend),
+                                                 (q, k, v), grad_out, 1, MATMUL_FLOOR["plat"], device, warmup,
+                                                 repeats)  # fmt: skip
+            except Exception as error:  # out of memory, most likely: recorded, not a failure of the check
+                row[backend] = dict(unavailable=f"{type(error).__name__}: {str(error)[:300]}")
+        times = {b: row[b]["fwd_bwd_ms"] for b in ("eager", "tiled") if "fwd_bwd_ms" in row[b]}
+        row["faster"] = min(times, key=times.get) if times else None
+        log(f"fallback {name}: fwd+bwd ms {times}, peak MiB "
+            f"{ {b: row[b].get('fwd_bwd_peak_mib') for b in ('eager', 'tiled')} }")
+        rows.append(row)
+        torch.cuda.empty_cache()
+    return rows
+
+
 # ------------------------------------------------------------------------------------------------- kernels
 
 
@@ -873,13 +986,25 @@ def peak_memory_target(sections, names=KERNEL_SPEED_SHAPES, limit=PEAK_MEMORY_LI
 
 def fused_target(sections):
     """Which timed p-LaT rows saw auto choose anything but the fused kernels (or the decode path)."""
-    rows = [row for name in ("attention", "kernels", "train", "compile", "decode")
+    rows = [row for name in ("attention", "envelope", "kernels", "train", "compile", "decode")
             for row in sections.get(name, {}).get("rows", [])]  # fmt: skip
     counts = {row["name"]: row.get("plat", row)["backends"] for row in rows if "backends" in row.get("plat", row)}
     fallbacks = {name: chosen for name, chosen in counts.items() if set(chosen) - FUSED}
     if not counts:
         return None, None
     return (f"fall backs in {fallbacks}" if fallbacks else f"{len(counts)} rows on {sorted(FUSED)}"), not fallbacks
+
+
+LAUNCH_HOST_US = 15
+
+
+def launch_host_target(sections):
+    """The paper-lm kernels row's host microseconds per Triton launch."""
+    rows = [row for row in sections.get("kernels", {}).get("rows", []) if row["name"] == "paper-lm" and "host" in row]
+    if not rows:
+        return None, None
+    per_launch = rows[0]["host"]["launch_us"] / rows[0]["host"]["launches"]
+    return round(per_launch, 1), per_launch <= LAUNCH_HOST_US
 
 
 # (name, the sections it needs, judge(sections) -> (value, passed: True / False / None when not measured))
@@ -894,6 +1019,12 @@ TARGETS = [
       for name, part, limit in KERNEL_SPEED_TARGETS],
     (f"peak memory of an attention forward + backward <= {PEAK_MEMORY_LIMIT} x SDPA (default backend) at "
      f"{', '.join(KERNEL_SPEED_SHAPES)}", ("attention",), peak_memory_target),
+    *[(f"{name} attention forward + backward <= {ENVELOPE_LIMIT} x SDPA given the same pattern", ("envelope",),
+       functools.partial(ratio_target, section="envelope", fields=dict(name=name),
+                         value_of=lambda row: row["ratio_to_sdpa"]["fwd_bwd"], limit=ENVELOPE_LIMIT))
+      for name in ENVELOPE_SHAPES],
+    (f"host time per Triton launch <= {LAUNCH_HOST_US} us (paper-lm, median over a call's launches)", ("kernels",),
+     launch_host_target),
     ("compiled plat-ptb-tiny training step <= 0.8 x eager", ("compile",),
      lambda s: ratio_target(s, "compile", dict(name="plat-ptb-tiny/train-step"), lambda row: row["ratio_to_eager"],
                             0.8)),
@@ -901,7 +1032,7 @@ TARGETS = [
      ("compile",), fullgraph_target),
     ('mode="reduce-overhead" (CUDA graphs) training step of plat-ptb-tiny works', ("compile",), cuda_graphs_target),
     ("auto runs the fused kernels (triton; decode for a few queries) in every timed p-LaT model",
-     ("attention", "train", "compile", "decode"), fused_target),
+     ("attention", "envelope", "train", "compile", "decode"), fused_target),
 ]  # fmt: skip
 
 
@@ -1029,6 +1160,8 @@ def main(argv=None):
     runs = {
         "sweep": lambda: sweep_section(device, log, workers=args.workers),
         "attention": lambda: attention_section(device, log, **timing),
+        "envelope": lambda: envelope_section(device, log, **timing),
+        "fallback": lambda: fallback_section(device, log),
         "kernels": lambda: kernels_section(device, log),
         "train": lambda: train_section(device, log, **timing),
         "compile": lambda: compile_section(device, log, **timing),

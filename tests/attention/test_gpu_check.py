@@ -24,9 +24,11 @@ def quiet(line):
 def test_sweep_covers_every_combination():
     cases = gpu_check.sweep_cases()
     backend_cases = [c for c in cases if c["kind"] == "backend"]
-    assert len(backend_cases) == 3 * 5 * 2 * 2 * 2 * 2  # dtypes, head sizes, formulations, masks, lengths, backends
-    combinations = {(c["dtype"], c["head_dim"], c["formulation"], c["masked"], c["shape"], c["backend"])
-                    for c in backend_cases}  # fmt: skip
+    # dtypes, head sizes, formulations, masks, lengths, backends (and Triton's two passes as a third)
+    assert len(backend_cases) == 3 * 5 * 2 * 2 * 2 * 3
+    combinations = {(c["dtype"], c["head_dim"], c["formulation"], c["masked"], c["shape"], c["backend"],
+                     c.get("two_passes", False)) for c in backend_cases}  # fmt: skip
+    assert {c["backend"] for c in backend_cases if c.get("two_passes")} == {"triton"}
     assert len(combinations) == len(backend_cases)
     assert {c["head_dim"] for c in backend_cases} == {16, 48, 64, 80, 128}
     assert {c["shape"][2] < c["shape"][3] for c in backend_cases} == {False, True}  # Nq = Nk and Nq < Nk
@@ -35,9 +37,9 @@ def test_sweep_covers_every_combination():
         ("eager", "paper"), ("eager", "euler"), ("tiled", "paper"), ("tiled", "euler")
     }
     for kind in ("repeated", "packed"):
-        kind_cases = {(c["backend"], c["dtype"], c["head_dim"], c["formulation"], c["masked"])
+        kind_cases = {(c["backend"], c["dtype"], c["head_dim"], c["formulation"], c["masked"], c.get("two_passes"))
                       for c in cases if c["kind"] == kind}  # fmt: skip
-        assert len(kind_cases) == 2 * 3 * 3 * 2 * 2
+        assert len(kind_cases) == 3 * 3 * 3 * 2 * 2  # auto, triton and triton's two passes
     assert {(c["model"], c["dtype"]) for c in cases if c["kind"] == "convert"} == {
         (model, dtype) for model in ("gpt2", "llama", "vit") for dtype in ("float32", "bfloat16")
     }
@@ -207,9 +209,9 @@ def test_host_times_count_the_triton_launches(formulation):
         torch.autograd.grad(out.sum(), (q, k, v))
 
     host = gpu_check.host_times(call, CPU, repeats=2)
-    # One launch of both p per pass: a call this small runs each kernel's exact pass alone, the forward's, dQ's (which
-    # computes the row statistics of either formulation) and dK/dV's.
-    assert host["launches"] == 3 and 0 < host["launch_us"] < host["call_us"]
+    # One launch per p: a call this small runs each kernel's exact pass alone, the forward's, dQ's (which computes the
+    # row statistics of either formulation) and dK/dV's.
+    assert host["launches"] == 3 * 2 and 0 < host["launch_us"] < host["call_us"]
     assert triton_module._run.__name__ == "_run"  # restored
 
 
@@ -372,3 +374,20 @@ def test_without_gpu_exits_with_a_message(tmp_path, capsys):
     assert gpu_check.main(["--out", str(tmp_path)]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
     assert not any(tmp_path.iterdir())
+
+
+def test_envelope_section_on_cpu():
+    """Each pattern reaches p-LaT and SDPA alike: a window and packed rows, their ratios recorded."""
+    shapes = {"window": (1, 2, 64, 16, dict(sliding_window=16)), "packed": (1, 2, 64, 16, dict(documents=(30, 34)))}
+    rows = gpu_check.envelope_section(CPU, quiet, shapes=shapes, warmup=0, repeats=1)
+    assert [row["name"] for row in rows] == ["window", "packed"]
+    for row in rows:
+        assert "error" not in row and row["plat"]["fwd_bwd_ms"] > 0 and row["ratio_to_sdpa"]["fwd_bwd"] > 0
+        assert sum(row["plat"]["backends"].values()) > 0
+        assert "unavailable" in row.get("flash-window", {"unavailable": "not a window"})  # no flash_attn here
+
+
+def test_fallback_section_on_cpu():
+    rows = gpu_check.fallback_section(CPU, quiet, shapes={"tiny": (1, 2, 48, 16)}, warmup=0, repeats=1)
+    assert rows[0]["faster"] in ("eager", "tiled")
+    assert rows[0]["eager"]["fwd_bwd_ms"] > 0 and rows[0]["tiled"]["fwd_bwd_ms"] > 0
