@@ -28,6 +28,7 @@ from transformers.masking_utils import (
 )
 
 from .configuration_plat import PlatConfigBase, paper_p_mix
+from .packing import packed_document_ids
 from .plap_dispatch import BACKENDS, FORMULATIONS, layer_attention
 
 ATTN_IMPLEMENTATION = "plap"
@@ -50,8 +51,10 @@ def plap_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_fun
             "with its own value: cross-attention cannot run p-LaT, nor can a static cache (generate("
             "cache_implementation='static')); use a DynamicCache"
         )
-    plain = mask_function in (causal_mask_function, bidirectional_mask_function)
-    if allow_is_causal_skip and (plain or _is_sliding_window(mask_function, kwargs.get("local_size"))):
+    base = _without_packing(mask_function)
+    plain = base in (causal_mask_function, bidirectional_mask_function)
+    skip = allow_is_causal_skip or base is not mask_function  # transformers clears the flag for packed rows
+    if skip and (plain or _is_sliding_window(base, kwargs.get("local_size"))):
         padding = prepare_padding_mask(attention_mask, kv_length, kv_offset)  # (B, kv_offset + Nk) or None
         if padding is not None:
             padding = padding[:, kv_offset : kv_offset + kv_length]  # a sliding cache's keys start at kv_offset
@@ -60,6 +63,28 @@ def plap_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_fun
         return padding[:, None, None, :]  # (B, 1, 1, Nk)
     return sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function=mask_function,
                      attention_mask=attention_mask, allow_is_causal_skip=allow_is_causal_skip, **kwargs)  # fmt: skip
+
+
+def _without_packing(mask_function):
+    """The pattern of ``mask_function`` without transformers' packed-rows mask, or ``mask_function`` itself. From
+    position_ids that restart at 0 transformers builds ``and_masks(remap_positions_for_packed_sequence(pattern,
+    position_ids), packed_sequence_mask_function(ids))``: the pattern on each document's own positions, within the
+    document, which is the pattern itself within each document of consecutive positions. Packed rows then reach the
+    attention function as the position_ids (or cu_seq_lens) that transformers passes to every attention function,
+    which ``plap_attention_forward`` turns into document ids, as FlashAttention's varlen path does."""
+    parts = _closure_value(mask_function, "mask_functions") if mask_function.__name__ == "and_mask" else None
+    if not parts or len(parts) != 2 or not parts[1].__qualname__.startswith("packed_sequence_mask_function."):
+        return mask_function
+    pattern = parts[0]
+    if pattern.__qualname__.startswith("remap_positions_for_packed_sequence."):
+        pattern = _closure_value(pattern, "mask_function")
+    return pattern
+
+
+def _closure_value(function, name):
+    """The value ``function`` closes over under ``name``, or None."""
+    cells = dict(zip(function.__code__.co_freevars, function.__closure__ or ()))
+    return cells[name].cell_contents if name in cells else None
 
 
 def _is_sliding_window(mask_function, window):
@@ -181,10 +206,16 @@ def plap_attention_forward(module, query, key, value, attention_mask, dropout=0.
     # does not: the window then comes as its size, as transformers passes it to every attention function.
     full_mask = attention_mask is not None and attention_mask.shape[-2] != 1
     sliding_window = None if full_mask or not is_causal else kwargs.get("sliding_window")
+    documents = None
+    if is_causal and not full_mask and num_queries == num_keys:  # packed rows: position_ids or cu_seq_lens (plap_mask)
+        padding = attention_mask[:, 0, 0, :] if attention_mask is not None else None  # (B, Nk)
+        documents = packed_document_ids(kwargs.get("position_ids"), padding, kwargs.get("cu_seq_lens_q"),
+                                        kwargs.get("cu_seq_lens_k"), batch=query.shape[0], length=num_queries,
+                                        cache_given=False)  # fmt: skip
     out, weights = layer_attention(
         query, key, value, p=p, attn_mask=attention_mask, is_causal=is_causal and not full_mask,
-        sliding_window=sliding_window, eps=eps, formulation=formulation, backend=backend, dropout=dropout,
-        output_attentions=kwargs.get("output_attentions", False),
+        sliding_window=sliding_window, document_ids=documents, eps=eps, formulation=formulation, backend=backend,
+        dropout=dropout, output_attentions=kwargs.get("output_attentions", False),
     )  # fmt: skip
     return out.transpose(1, 2).contiguous(), weights  # (B, Nq, H, d)
 

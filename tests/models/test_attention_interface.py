@@ -10,6 +10,7 @@ import copy
 import pytest
 import torch
 from transformers import (
+    DataCollatorWithFlattening,
     AutoModelForCausalLM,
     BartConfig,
     BartModel,
@@ -290,3 +291,32 @@ def test_compiles_without_graph_breaks():
         compiled = torch.compile(model, fullgraph=True)
         torch.testing.assert_close(compiled(input_ids, attention_mask=attention_mask).logits, expected,
                                    atol=1e-5, rtol=1e-4)
+
+
+PACKED_LENGTHS = (5, 11, 1, 9)
+
+
+@pytest.mark.parametrize("use_cache", [False, True], ids=["training", "inference"])
+@pytest.mark.parametrize("boundaries", [False, True], ids=["position_ids", "cu_seq_lens"])
+@pytest.mark.parametrize("backend", ["eager", "tiled", "triton"])
+@pytest.mark.parametrize("name", ["qwen3", "mistral-window"])
+def test_packed_rows_get_each_document_alone(name, backend, boundaries, use_cache):
+    """DataCollatorWithFlattening's rows: every document gets the logits it gets alone, with each backend; an
+    explicit "triton" runs the fused kernels (it refuses a (B, 1, N, N) mask), so the documents reach them as ids and
+    Mistral's window as its size. Without a cache transformers builds a packed mask, which plap_mask leaves to the
+    ids; with one it builds a plain causal mask, and only the position_ids (or cu_seq_lens) tell the documents."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+    model = family(name, "plap", plap_backend=backend)
+    documents = [torch.randint(3, 61, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in PACKED_LENGTHS]
+    collator = DataCollatorWithFlattening(return_flash_attn_kwargs=boundaries, return_tensors="pt")
+    batch = collator([{"input_ids": document} for document in documents])
+    batch = {key: value.to(DEVICE) for key, value in batch.items() if key not in ("max_length_q", "max_length_k")}
+    batch.pop("labels")
+    with torch.no_grad():
+        logits = model(**batch, use_cache=use_cache).logits
+        start = 0
+        for document in documents:
+            alone = model(torch.tensor([document], device=DEVICE)).logits
+            torch.testing.assert_close(logits[:, start : start + len(document)], alone, atol=2e-5, rtol=1e-4)
+            start += len(document)
