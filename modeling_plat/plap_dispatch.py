@@ -199,8 +199,23 @@ def choose_backend(backend, query, key, value, *, p, p_trains=False, attn_mask=N
         name = "eager"
     if reasons and candidates[0] == "triton":
         _log_fallback(f"p-LaT attention: plap_backend='auto' runs the {name!r} backend on CUDA instead of the fused "
-                      f"Triton kernels, because {reasons[0]}")  # fmt: skip
+                      f"Triton kernels{_memory_note(name, query, key)}, because {reasons[0]}")  # fmt: skip
     return REGISTRY[name]
+
+
+# What the eager reference keeps for its backward per (query, key) pair: four float32 and two boolean (B, H, Nq, Nk)
+# tensors (tests/attention/test_dispatch.py counts them).
+EAGER_SAVED_BYTES_PER_SCORE = 18
+
+
+def _memory_note(name, query, key):
+    """What the backend chosen instead of the kernels keeps for the backward, for the fallback's message."""
+    if name == "eager":
+        mib = query.shape[:-1].numel() * key.shape[-2] * EAGER_SAVED_BYTES_PER_SCORE / 2**20
+        return f" (which keeps about {mib:,.0f} MiB of (B, H, Nq, Nk) weights for the backward)"
+    if name == "tiled":
+        return " (which keeps O(N) memory for the backward, row statistics only)"
+    return ""
 
 
 def _check_inputs(query, key, value, num_p, attn_mask, document_ids, eps, formulation):

@@ -82,7 +82,7 @@ def test_fallback_from_the_fused_kernels_is_logged_once_per_reason():
             chosen = dispatch.choose_backend("auto", q, q, q, p=(1.5,) * 3, attn_mask=general_mask, platform=HOPPER)
     assert chosen.name == "tiled"
     assert captured.out.count("runs the 'tiled' backend on CUDA instead of the fused Triton kernels") == 1
-    assert "key-padding" in captured.out
+    assert "key-padding" in captured.out and "O(N) memory" in captured.out
     with CaptureLogger(logger) as captured:  # the kernels run it: nothing to say
         assert dispatch.choose_backend("auto", q, q, q, p=(1.5,) * 3, platform=HOPPER).name == "triton"
     assert captured.out == ""
@@ -121,3 +121,29 @@ def test_traced_choice_is_the_eager_choice_on_cuda(monkeypatch, shape):
     torch._dynamo.reset()
     explained = torch._dynamo.explain(step)(**inputs)
     assert explained.graph_break_count == 0, [str(reason.reason)[:200] for reason in explained.break_reasons]
+
+
+def test_the_eager_fallback_states_the_memory_it_keeps():
+    """The bytes per (query, key) pair the eager reference keeps for its backward, which its fallback message
+    states, are what autograd saves, counted tensor by tensor: the part that grows with Nq * Nk, from two lengths
+    (the caller's own mask aside)."""
+
+    def saved_bytes(length):
+        gen = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(2, 4, length, 16, generator=gen, requires_grad=True) for _ in range(3))
+        mask = torch.rand(2, 4, length, length, generator=gen) > 0.1
+        saved = {}
+
+        def pack(tensor):
+            if tensor.data_ptr() != mask.data_ptr():
+                saved[tensor.data_ptr()] = tensor.numel() * tensor.element_size()
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            dispatch.plap_attention(q, k, v, (1.5, 2.5, 1.5, 3.0), attn_mask=mask, backend="eager")
+        return sum(saved.values()) / (2 * 4)
+
+    per_score = (saved_bytes(80) - 2 * saved_bytes(40)) / (80**2 - 2 * 40**2)
+    assert per_score == pytest.approx(dispatch.EAGER_SAVED_BYTES_PER_SCORE, abs=0.01)
+    big = torch.empty(4, 16, 4096, 64, device="meta")
+    assert "about 18,432 MiB" in dispatch._memory_note("eager", big, big)
