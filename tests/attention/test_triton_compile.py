@@ -3,7 +3,7 @@
 The Triton interpreter that runs the kernels in the other tests accepts code a GPU compiler rejects (a
 module-level Python float read inside a kernel, for one) and knows nothing of shared memory or registers.
 Here the forward, dK/dV and dQ kernels (each a first pass and an exact pass) are compiled ahead of time
-(benchmarks/triton_aot.py: triton.compile for GPUTarget("cuda", arch, 32) and the ptxas of Triton's wheel) for sm_80
+(tools/kernels/triton_aot.py: triton.compile for GPUTarget("cuda", arch, 32) and the ptxas of Triton's wheel) for sm_80
 (A100, and the configurations that the other 8.x GPUs share) and sm_90 (H100), for each dtype and head size that
 ``triton_unsupported_reason`` admits there. Each must compile and its shared memory must fit the smallest limit among the GPUs that use its
 configuration (the default cases also spill at most 4 KB per thread); registers and spills are printed.

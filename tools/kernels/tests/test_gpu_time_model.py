@@ -1,9 +1,8 @@
-"""benchmarks/gpu_time_model.py on CPU: residency, latency hiding, the tiles' scores and the auxiliary bytes, each
+"""tools/kernels/gpu_time_model.py on CPU: residency, latency hiding, the tiles' scores and the auxiliary bytes, each
 against what it must equal (no compile: the kernels' analyses are those of gpu_static_cost, tested beside)."""
 
-import importlib.util
+import importlib
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
@@ -11,19 +10,12 @@ import torch
 
 from modeling_plat import plap_attention_triton as triton_module
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+ROOT = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture(scope="module")
 def model():
-    sys.path.insert(0, str(BENCHMARKS))  # it imports gpu_static_cost beside it
-    try:
-        spec = importlib.util.spec_from_file_location("gpu_time_model", BENCHMARKS / "gpu_time_model.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(BENCHMARKS))
-    return module
+    return importlib.import_module("gpu_time_model")  # on setup.cfg's pytest pythonpath, beside gpu_static_cost
 
 
 @pytest.mark.parametrize(
@@ -168,7 +160,7 @@ def test_calibration_reproduces_the_fitted_constants(model, capsys):
     """--calibrate compiles the measured commits' kernels and refits: the module's constants are what it finds,
     every fitted kernel time is predicted within 20% (dK/dV at head size 128 of 059074d is the farthest, -16%), and
     that commit's peak memory within 2%."""
-    if shutil.which("git") is None or not (BENCHMARKS.parent / ".git").exists():
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
         pytest.skip("needs the repository's history")
     ready, bandwidth = model.calibrate()  # compiles in a child process, without the interpreter
     assert round(ready, 3) == model.LATENCY_HIDING

@@ -1,7 +1,7 @@
 """Predicted times of the fused Triton kernels on Hopper, calibrated on an H200 and an H100 and computed without a GPU.
 
-    python benchmarks/gpu_time_model.py              # today's kernels at the kernel-speed targets' shapes
-    python benchmarks/gpu_time_model.py --calibrate  # refit LATENCY_HIDING on the measured kernels (CALIBRATIONS)
+    python tools/kernels/gpu_time_model.py              # today's kernels at the kernel-speed targets' shapes
+    python tools/kernels/gpu_time_model.py --calibrate  # refit LATENCY_HIDING on the measured kernels (CALIBRATIONS)
 
 ``gpu_static_cost.py`` counts what each score costs at the pipes' full rate. Nsight Compute on an H200 showed the
 kernels far from it: at 207-255 registers per thread one block of 8 warps fits an SM, 2 warps per scheduler, and the
@@ -54,7 +54,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import gpu_static_cost
 from modeling_plat import paper_p_mix
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # Per-SM residency limits (CUDA C++ Programming Guide, "Technical Specifications per Compute Capability"; 1 KB of
 # shared memory per block is reserved by the system).
 RESIDENCY = {
@@ -386,16 +386,28 @@ def calibration_inputs(json_path):
 
 
 
+# Where the AOT helper lived in a commit: the calibration commits predate tools/kernels/.
+AOT_HELPER_PATHS = ("tools/kernels/triton_aot.py", "benchmarks/triton_aot.py")
+
+
+def aot_helper_path(commit):
+    """The path of triton_aot.py in a commit."""
+    listed = subprocess.run(["git", "-C", str(ROOT), "ls-tree", "--name-only", commit, *AOT_HELPER_PATHS], check=True,
+                            capture_output=True, text=True).stdout.split()  # fmt: skip
+    return next(path for path in AOT_HELPER_PATHS if path in listed)
+
+
 def commit_inputs(commit):
     """calibration_inputs of a commit's kernels, launched by its own launch builder (its backend's argument dtypes) and
     analysed by this tool: its files come first on the path."""
+    helper = aot_helper_path(commit)
     with tempfile.TemporaryDirectory(prefix="gpu-time-model-") as tmp:
-        archive = subprocess.run(["git", "-C", str(ROOT), "archive", commit, "modeling_plat", "benchmarks/triton_aot.py"],
-                                 check=True, capture_output=True)  # fmt: skip
+        archive = subprocess.run(["git", "-C", str(ROOT), "archive", commit, "modeling_plat", helper], check=True,
+                                 capture_output=True)  # fmt: skip
         subprocess.run(["tar", "-x", "-C", tmp], input=archive.stdout, check=True)
         out = Path(tmp) / "inputs.json"
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-        env.update(PYTHONPATH=os.pathsep.join([str(Path(tmp) / "benchmarks"), tmp, str(ROOT / "benchmarks")]),
+        env.update(PYTHONPATH=os.pathsep.join([str(Path(tmp, helper).parent), tmp, str(Path(__file__).parent)]),
                    TRITON_CACHE_DIR=str(Path(tmp) / "cache"))  # fmt: skip
         subprocess.run([sys.executable, "-m", "gpu_time_model", "--calibration-inputs", str(out)], check=True, env=env,
                        cwd=tmp)  # fmt: skip

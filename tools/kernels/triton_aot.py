@@ -9,7 +9,7 @@ NVIDIA backend and the ``ptxas`` shipped in its wheel. No GPU or driver is invol
 The interpreter (TRITON_INTERPRET=1, set by tests/conftest.py on CPU) replaces the kernels by interpreted
 functions, so compilation runs in child processes without it: ``run_cases`` starts
 
-    python benchmarks/triton_aot.py cases.json
+    python tools/kernels/triton_aot.py cases.json
 
 each of which prints one JSON line per kernel: shared memory bytes, registers and spills (from ``ptxas -v``),
 compile seconds, or the error.
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Each attention kernel's first pass (the distances' expansion alone), and its exact pass (close pairs by direct
 # differences) as <name>_exact.
