@@ -12,7 +12,11 @@ functions, so compilation runs in child processes without it: ``run_cases`` star
     python tools/kernels/triton_aot.py cases.json
 
 each of which prints one JSON line per kernel: shared memory bytes, registers and spills (from ``ptxas -v``),
-compile seconds, or the error.
+compile seconds and the Triton version, or the error.
+
+The children import the installed Triton, or the one in the folder that ``PLAT_AOT_TRITON`` names (a
+``pip install --no-deps --target`` of another version): a GPU runs the Triton its torch pins, not necessarily this
+machine's (tools/kernels/README.md).
 """
 
 import contextlib
@@ -29,6 +33,8 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
+# Names a folder holding another Triton than the installed one, which the compile children import first.
+TRITON_FOLDER_VARIABLE = "PLAT_AOT_TRITON"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Each attention kernel's first pass (the distances' expansion alone), and its exact pass (close pairs by direct
 # differences) as <name>_exact.
@@ -129,7 +135,7 @@ def compile_case(triton_module, case):
     for name, launch in launches(triton_module, case):
         if name not in case_kernels(case):
             continue
-        result = dict(case=case_id(case), kernel=name, arch=case["arch"], meta=launch.meta)
+        result = dict(case=case_id(case), kernel=name, arch=case["arch"], meta=launch.meta, triton=triton_version())
         start = time.perf_counter()
         try:
             compiled, log = compile_with_log(launch, case["arch"])
@@ -142,31 +148,58 @@ def compile_case(triton_module, case):
     return results
 
 
-def run_cases(cases, cache_dir, processes=2, timeout=1200):
+def triton_version():
+    import triton
+
+    return f"{triton.__version__} ({Path(triton.__file__).parent})"
+
+
+def child_environment(cache_dir):
+    """The compile children's environment: no interpreter, a fresh cache, ptxas' log, and the Triton of
+    ``PLAT_AOT_TRITON`` first on the path where it names one."""
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    env.update(TRITON_CACHE_DIR=str(cache_dir), TRITON_DUMP_PTXAS_LOG="1")
+    folder = os.environ.get(TRITON_FOLDER_VARIABLE)
+    if folder:
+        if not (Path(folder) / "triton" / "__init__.py").is_file():  # else the installed Triton would answer
+            raise FileNotFoundError(f"{TRITON_FOLDER_VARIABLE}={folder} holds no triton package")
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, (folder, env.get("PYTHONPATH"))))
+    return env
+
+
+def run_cases(cases, cache_dir, processes=None, seconds_per_case=60):
     """Compile every case in child processes without the interpreter; the list of their results.
 
     ``cache_dir`` should be new and empty: a kernel found in Triton's cache would not be compiled again.
-    The cases are dealt round-robin to ``processes`` children (compilation is single-threaded).
+    The cases are dealt round-robin to ``processes`` children (compilation is single-threaded), by default one per
+    CPU core this process may use.
     """
-    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    env.update(
-        TRITON_CACHE_DIR=str(cache_dir),
-        TRITON_DUMP_PTXAS_LOG="1",
-    )
+    env = child_environment(cache_dir)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    processes = min(processes or cores, len(cases))
     children = []
-    for index in range(processes):
-        share = Path(cache_dir) / f"cases-{index}.json"
-        share.write_text(json.dumps(cases[index::processes]))
-        command = [sys.executable, str(Path(__file__).resolve()), str(share)]
-        children.append(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=ROOT,
-                                         text=True))  # fmt: skip
-    results = []
-    for child in children:
-        stdout, stderr = child.communicate(timeout=timeout)
-        if child.returncode != 0:
-            raise RuntimeError(f"the compile process failed ({child.returncode}):\n{stderr[-4000:]}")
-        results += [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
-    return results
+    try:
+        for index in range(processes):
+            share = Path(cache_dir) / f"cases-{index}.json"
+            share.write_text(json.dumps(cases[index::processes]))
+            command = [sys.executable, str(Path(__file__).resolve()), str(share)]
+            # Files, not pipes: a child whose pipe filled would wait until the children before it had finished.
+            with open(share.with_suffix(".out"), "w") as out, open(share.with_suffix(".err"), "w") as err:
+                children.append((share, subprocess.Popen(command, stdout=out, stderr=err, env=env, cwd=ROOT)))
+        deadline = time.monotonic() + 30 + seconds_per_case * -(-len(cases) // processes)
+        results = []
+        for share, child in children:
+            child.wait(timeout=max(deadline - time.monotonic(), 1))
+            if child.returncode != 0:
+                stderr = share.with_suffix(".err").read_text()
+                raise RuntimeError(f"the compile process failed ({child.returncode}):\n{stderr[-4000:]}")
+            output = share.with_suffix(".out").read_text()
+            results += [json.loads(line) for line in output.splitlines() if line.startswith("{")]
+        return results
+    finally:
+        for _, child in children:
+            if child.poll() is None:
+                child.kill()
 
 
 def main():
