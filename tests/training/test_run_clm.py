@@ -1,10 +1,10 @@
 """run_clm.py end to end on tiny generated text and a slice of the embedded Penn Treebank, the sliding-window
-evaluation against direct per-token scoring, resuming, two-process DDP, and the clear errors for bad input."""
+evaluation against direct per-token scoring, resuming, and the clear errors for bad input (two-process DDP:
+tests/robustness/test_distributed.py)."""
 
 import itertools
 import json
 import math
-import os
 import shutil
 import subprocess
 import sys
@@ -15,7 +15,7 @@ import huggingface_hub
 import pytest
 import torch
 import yaml
-from tiny import BLOCK, FAST, ROOT, TINY_MODEL, WORDS, lm, tensorboard_scalars, two_processes, write_lines
+from tiny import BLOCK, FAST, ROOT, TINY_MODEL, WORDS, lm, tensorboard_scalars, write_lines
 from torch.nn import functional as F
 from transformers import (
     AutoModelForCausalLM,
@@ -424,24 +424,6 @@ def test_saved_word_tokenizer_generates_readable_text_pads_and_starts_without_a_
     # Without a prompt, generation starts from the BOS token.
     generated = generator.model.generate(max_new_tokens=3, do_sample=False)
     assert generated.shape == (1, 4) and generated[0, 0] == tokenizer.bos_token_id
-
-
-@pytest.mark.parametrize("launcher", ["torchrun", "accelerate"])
-def test_two_process_ddp_on_cpu_saves_a_checkpoint_that_reloads(launcher, text_files, tmp_path):
-    output_dir = tmp_path / "out"
-    command = [*two_processes(launcher), str(SCRIPT), *TINY_MODEL, *files_args(text_files), *FAST,
-               "--tokenizer_type", "word", "--do_train", "--do_eval", "--max_steps", "3", "--save_steps", "3",
-               "--use_cpu", "--ddp_backend", "gloo", "--eval_stride", "4", "--sliding_window_batch_size", "8",
-               "--output_dir", str(output_dir)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    completed = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
-    metrics = results(output_dir)
-    assert "Process rank 1," in completed.stdout + completed.stderr
-    assert trainer_step(output_dir / "checkpoint-3") == 3
-    assert math.isfinite(metrics["eval_sliding_perplexity"]) and metrics["eval_sliding_tokens"] > 0
-    model = AutoModelForCausalLM.from_pretrained(output_dir / "checkpoint-3")
-    assert model.config.vocab_size == len(WORDS) + 3
 
 
 @pytest.mark.slow  # compiling takes about a minute on 2 CPU cores
