@@ -163,20 +163,6 @@ def test_do_predict_scores_the_test_split_only(text_files, tmp_path):
                       "--output_dir", str(tmp_path / "no-test")])
 
 
-def test_metrics_reach_tensorboard(text_files, tmp_path):
-    output_dir = tmp_path / "out"
-    # In a process of its own, as a user runs it: the writer of the final evaluation flushes when the job ends.
-    args = [*TINY_MODEL, *files_args(text_files), *FAST, "--tokenizer_type", "word", "--do_train", "--do_eval",
-            "--max_steps", "2", "--eval_stride", "8", "--max_eval_samples", "4", "--output_dir", str(output_dir)]
-    args[args.index("--report_to") + 1] = "tensorboard"
-    result = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert result.returncode == 0, result.stderr[-3000:]
-    scalars, metrics = tensorboard_scalars(output_dir / "runs"), results(output_dir)
-    for split in ("eval", "test"):
-        for name in ("perplexity", "sliding_perplexity", "unigram_perplexity", "accuracy"):
-            assert scalars[f"{split}/{name}"][-1] == pytest.approx(metrics[f"{split}_{name}"], rel=1e-6), (split, name)
-
-
 @pytest.fixture(scope="module")
 def gpt2_folder(text_files, tmp_path_factory):
     """A transformers GPT-2 checkpoint with a word tokenizer of the test texts."""
@@ -230,14 +216,22 @@ def test_stock_gpt2_fine_tunes_with_the_p_mix_and_reloads(gpt2_folder, text_file
     assert math.isfinite(results(output_dir)["eval_perplexity"])
 
 
-def test_disable_tqdm_silences_every_progress_bar(gpt2_folder, text_files, tmp_path):
-    command = [sys.executable, str(SCRIPT), "--model_name_or_path", str(gpt2_folder), *files_args(text_files), *FAST,
-               "--do_train", "--do_eval", "--max_steps", "2", "--eval_stride", "8", "--max_eval_samples", "4",
-               "--output_dir", str(tmp_path / "out"), "--disable_tqdm", "true"]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT)
+def test_metrics_reach_tensorboard_and_disable_tqdm_silences_every_progress_bar(gpt2_folder, text_files, tmp_path):
+    """In a process of its own, as a user runs it: the writer of the final evaluation flushes when the job ends, and no
+    progress bar is printed, that of the stock checkpoint's loading included."""
+    output_dir = tmp_path / "out"
+    args = ["--model_name_or_path", str(gpt2_folder), *files_args(text_files), *FAST, "--do_train", "--do_eval",
+            "--max_steps", "2", "--eval_stride", "8", "--max_eval_samples", "4", "--output_dir", str(output_dir),
+            "--disable_tqdm", "true"]  # fmt: skip
+    args[args.index("--report_to") + 1] = "tensorboard"
+    result = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
     output = result.stdout + result.stderr
     assert "it/s]" not in output and "s/it]" not in output and "%|" not in output, output[-2000:]
+    scalars, metrics = tensorboard_scalars(output_dir / "runs"), results(output_dir)
+    for split in ("eval", "test"):
+        for name in ("perplexity", "sliding_perplexity", "unigram_perplexity", "accuracy"):
+            assert scalars[f"{split}/{name}"][-1] == pytest.approx(metrics[f"{split}_{name}"], rel=1e-6), (split, name)
 
 
 def test_penn_treebank_default_on_a_slice(tmp_path):
