@@ -7,7 +7,8 @@ Here the forward, dK/dV and dQ kernels (each a first pass and an exact pass) are
 sm_80 (A100, and the configurations that the other 8.x GPUs share) and sm_90 (H100/H200), for the dtypes and head
 sizes that ``triton_unsupported_reason`` admits there. Each must compile and its shared memory must fit the smallest
 limit among the GPUs that use its configuration (the sample also spills at most 4 KB per thread); registers and
-spills are printed. Triton's cache points at a new directory, so that nothing compiled before can hide a failure.
+spills are printed. Triton's cache points at a new directory, so that nothing compiled before can hide a failure;
+the compilation starts with the first attention test (conftest.py).
 
 By default a sample (``SAMPLE``, 84 kernels): on sm_80 and sm_90 every launch configuration admitted there (input
 kind and padded head size), every kernel and pass of each dtype, each side of every branch (causal, key padding,
@@ -25,7 +26,7 @@ import pytest
 import torch
 
 from modeling_plat import plap_attention_triton as triton_module
-from triton_aot import KERNELS, case_id, case_kernels, case_p, run_cases
+from triton_aot import KERNELS, case_id, case_kernels, case_p
 
 pytestmark = pytest.mark.skipif(triton_module.triton is None, reason="triton is not installed")
 
@@ -105,8 +106,9 @@ def full_matrix():
 FULL_MATRIX = full_matrix()
 
 
-def compile_all(cases, tmp_path_factory, pytestconfig):
-    results = run_cases(cases, tmp_path_factory.mktemp("triton-cache"))
+def reported(compilation, pytestconfig):
+    """{(case id, kernel): result} of a Compilation (conftest.py), each printed."""
+    results = compilation.results()
     with pytestconfig.pluginmanager.getplugin("capturemanager").global_and_fixture_disabled():
         print(f"\nTriton {results[0]['triton']}")
         for r in results:
@@ -116,25 +118,14 @@ def compile_all(cases, tmp_path_factory, pytestconfig):
     return {(r["case"], r["kernel"]): r for r in results}
 
 
-def selected_cases(request, test_name):
-    """The cases of the selected tests of that name (all of them, or fewer with -k), each once."""
-    cases = {}
-    for item in request.session.items:
-        if getattr(item, "originalname", None) == test_name:
-            case = item.callspec.params["case"]
-            cases[case_id(case)] = case
-    return list(cases.values())
+@pytest.fixture(scope="module")
+def sample_results(sample_compilation, pytestconfig):
+    return reported(sample_compilation, pytestconfig)
 
 
 @pytest.fixture(scope="module")
-def sample_results(request, tmp_path_factory, pytestconfig):
-    return compile_all(selected_cases(request, "test_kernel_compiles_and_fits"), tmp_path_factory, pytestconfig)
-
-
-@pytest.fixture(scope="module")
-def full_results(request, tmp_path_factory, pytestconfig):
-    cases = selected_cases(request, "test_kernel_compiles_and_fits_everywhere")
-    return compile_all(cases, tmp_path_factory, pytestconfig)
+def full_results(full_compilation, pytestconfig):
+    return reported(full_compilation, pytestconfig)
 
 
 # Spill stores per thread of any sampled kernel. A tile that ptxas cannot allocate falls back to a few registers and

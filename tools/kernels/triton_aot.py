@@ -6,8 +6,8 @@ arguments, their specialisation (alignment, strides of 1) and the launch configu
 launch, and compiled by ``triton.compile`` for ``GPUTarget("cuda", arch, 32)``: Triton's own front end, the
 NVIDIA backend and the ``ptxas`` shipped in its wheel. No GPU or driver is involved.
 
-The interpreter (TRITON_INTERPRET=1, set by tests/conftest.py on CPU) replaces the kernels by interpreted
-functions, so compilation runs in child processes without it: ``run_cases`` starts
+The interpreter (TRITON_INTERPRET=1, set by the tests on CPU) replaces the kernels by interpreted
+functions, so compilation runs in child processes without it: a ``Compilation`` starts
 
     python tools/kernels/triton_aot.py cases.json
 
@@ -167,39 +167,54 @@ def child_environment(cache_dir):
     return env
 
 
-def run_cases(cases, cache_dir, processes=None, seconds_per_case=60):
-    """Compile every case in child processes without the interpreter; the list of their results.
+class Compilation:
+    """Cases compiling in child processes without the interpreter, started at once; ``results()`` waits for them.
 
-    ``cache_dir`` should be new and empty: a kernel found in Triton's cache would not be compiled again.
-    The cases are dealt round-robin to ``processes`` children (compilation is single-threaded), by default one per
-    CPU core this process may use.
+    ``cache_dir`` should be new and empty: a kernel found in Triton's cache would not be compiled again. The cases are
+    dealt round-robin to ``processes`` children (compilation is single-threaded), by default one per CPU core this
+    process may use.
     """
-    env = child_environment(cache_dir)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    processes = min(processes or cores, len(cases))
-    children = []
-    try:
-        for index in range(processes):
-            share = Path(cache_dir) / f"cases-{index}.json"
-            share.write_text(json.dumps(cases[index::processes]))
-            command = [sys.executable, str(Path(__file__).resolve()), str(share)]
-            # Files, not pipes: a child whose pipe filled would wait until the children before it had finished.
-            with open(share.with_suffix(".out"), "w") as out, open(share.with_suffix(".err"), "w") as err:
-                children.append((share, subprocess.Popen(command, stdout=out, stderr=err, env=env, cwd=ROOT)))
-        deadline = time.monotonic() + 30 + seconds_per_case * -(-len(cases) // processes)
-        results = []
-        for share, child in children:
-            child.wait(timeout=max(deadline - time.monotonic(), 1))
-            if child.returncode != 0:
-                stderr = share.with_suffix(".err").read_text()
-                raise RuntimeError(f"the compile process failed ({child.returncode}):\n{stderr[-4000:]}")
-            output = share.with_suffix(".out").read_text()
-            results += [json.loads(line) for line in output.splitlines() if line.startswith("{")]
-        return results
-    finally:
-        for _, child in children:
+
+    def __init__(self, cases, cache_dir, processes=None, seconds_per_case=60):
+        env = child_environment(cache_dir)
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        processes = min(processes or cores, len(cases))
+        self.deadline = time.monotonic() + 30 + seconds_per_case * -(-len(cases) // processes)
+        self.children = []
+        try:
+            for index in range(processes):
+                share = Path(cache_dir) / f"cases-{index}.json"
+                share.write_text(json.dumps(cases[index::processes]))
+                command = [sys.executable, str(Path(__file__).resolve()), str(share)]
+                # Files, not pipes: a child whose pipe filled would wait until the children before it had finished.
+                with open(share.with_suffix(".out"), "w") as out, open(share.with_suffix(".err"), "w") as err:
+                    child = subprocess.Popen(command, stdout=out, stderr=err, env=env, cwd=ROOT)
+                self.children.append((share, child))
+        except BaseException:
+            self.close()
+            raise
+
+    def results(self):
+        """The result dicts of every case's kernels."""
+        try:
+            results = []
+            for share, child in self.children:
+                child.wait(timeout=max(self.deadline - time.monotonic(), 1))
+                if child.returncode != 0:
+                    stderr = share.with_suffix(".err").read_text()
+                    raise RuntimeError(f"the compile process failed ({child.returncode}):\n{stderr[-4000:]}")
+                output = share.with_suffix(".out").read_text()
+                results += [json.loads(line) for line in output.splitlines() if line.startswith("{")]
+            return results
+        finally:
+            self.close()
+
+    def close(self):
+        """Stop the children still running."""
+        for _, child in self.children:
             if child.poll() is None:
                 child.kill()
+                child.wait()
 
 
 def main():
