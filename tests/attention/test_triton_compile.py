@@ -10,10 +10,10 @@ limit among the GPUs that use its configuration (the sample also spills at most 
 spills are printed. Triton's cache points at a new directory, so that nothing compiled before can hide a failure;
 the compilation starts with the first attention test (conftest.py).
 
-By default a sample (``SAMPLE``, 84 kernels): on sm_80 and sm_90 every launch configuration admitted there (input
-kind and padded head size), every kernel and pass of each dtype, each side of every branch (causal, key padding,
-packed documents, euler, one or two power classes per launch, lengths that are not multiples of 16, Nq < Nk, a value
-size of its own) and the configuration that failed on an H200. ``-m kernels`` compiles the full matrix
+By default a sample (``SAMPLE``, 102 kernels): on sm_80 and sm_90 every padded head size each dtype is admitted at,
+every kernel and pass of each dtype, each side of every branch (causal, key padding, packed documents, euler, one or
+two power classes per launch, lengths that are not multiples of 16, Nq < Nk, a value size of its own) and the
+configuration that failed on an H200. ``-m kernels`` compiles the full matrix
 (``FULL_MATRIX``, about 4,000 kernels, one child process per core): every head size with every branch on sm_80,
 sm_86, sm_89 and sm_90, and at head sizes 64 and 128 every combination of the flags with each p set.
 ``PLAT_AOT_TRITON=<folder>`` compiles with the Triton installed in that folder instead of this machine's
@@ -31,8 +31,6 @@ from triton_aot import KERNELS, case_id, case_kernels, case_p
 pytestmark = pytest.mark.skipif(triton_module.triton is None, reason="triton is not installed")
 
 DTYPES = ("bfloat16", "float16", "float32")
-# The launch configurations' input kinds (``CONFIGS``): bfloat16 and float16 share one table.
-KINDS = {"half": ("bfloat16", "float16"), "float32": ("float32",)}
 SAMPLE_ARCHS = (80, 90)
 FIRST_PASSES = ("fwd", "dkdv", "dq")
 FLAGS = ("is_causal", "key_mask", "euler", "documents")
@@ -77,10 +75,13 @@ def sample_cases(arch):
         make_case(arch, "float16", 64, p=OTHER_MIX),
         # The other side of every branch: no mask, paper, one p, uneven lengths.
         make_case(arch, "float32", 64, flags=ALL_OFF, lengths=UNEVEN),
-        # The other padded head sizes' configurations (first passes): a size that is not a power of two, and a
-        # value size of its own that decides the padding.
+        # The other padded head sizes of each dtype (first passes): sizes that are not powers of two, and a value
+        # size of its own that decides the padding.
         make_case(arch, "bfloat16", 16, kernels=FIRST_PASSES),
         make_case(arch, "bfloat16", 16, 24, kernels=FIRST_PASSES),
+        make_case(arch, "float16", 16, kernels=FIRST_PASSES),
+        make_case(arch, "float16", 32, kernels=FIRST_PASSES),
+        make_case(arch, "float16", 80, kernels=FIRST_PASSES),
         make_case(arch, "float32", 16, kernels=FIRST_PASSES),
         make_case(arch, "float32", 24, kernels=FIRST_PASSES),
     ]
@@ -156,26 +157,26 @@ def test_kernel_compiles_and_fits_everywhere(full_results, case, kernel):
     check(full_results[case_id(case), kernel], case["arch"])
 
 
-def sampled(arch, dtypes):
-    return [case for case in SAMPLE if case["arch"] == arch and case["dtype"] in dtypes]
+def sampled(arch, dtype):
+    return [case for case in SAMPLE if case["arch"] == arch and case["dtype"] == dtype]
 
 
-@pytest.mark.parametrize("arch, kind", itertools.product(SAMPLE_ARCHS, KINDS))
-def test_sample_compiles_every_admitted_head_size(arch, kind):
-    """Launch configurations are per input kind and padded head size (BLOCK_D): every bucket that the kind admits on
-    the architecture has its first passes in the sample, so that no admitted input runs a configuration compiled
-    nowhere."""
-    buckets = {triton_module.padded_head_size(d) for d in range(1, 513) for dtype in KINDS[kind]
+@pytest.mark.parametrize("arch, dtype", itertools.product(SAMPLE_ARCHS, DTYPES))
+def test_sample_compiles_every_admitted_head_size(arch, dtype):
+    """Launch configurations are per input kind and padded head size (BLOCK_D), and each dtype compiles its own code:
+    every bucket that the dtype admits on the architecture has its first passes in the sample, so that no admitted
+    input runs a configuration compiled nowhere (test_triton_limits.py checks the dispatcher against the sample)."""
+    buckets = {triton_module.padded_head_size(d) for d in range(1, 513)
                if admitted(dict(arch=arch, dtype=dtype, head_dim=d, value_dim=d))}  # fmt: skip
     compiled = {triton_module.padded_head_size(max(case["head_dim"], case["value_dim"]))
-                for case in sampled(arch, KINDS[kind]) if set(FIRST_PASSES) <= set(case_kernels(case))}  # fmt: skip
+                for case in sampled(arch, dtype) if set(FIRST_PASSES) <= set(case_kernels(case))}  # fmt: skip
     assert compiled == buckets
-    assert all(admitted(case) for case in sampled(arch, KINDS[kind]))
+    assert all(admitted(case) for case in sampled(arch, dtype))
 
 
 @pytest.mark.parametrize("arch, dtype", itertools.product(SAMPLE_ARCHS, DTYPES))
 def test_sample_compiles_every_pass_of_each_dtype(arch, dtype):
-    assert {kernel for case in sampled(arch, (dtype,)) for kernel in case_kernels(case)} == set(KERNELS)
+    assert {kernel for case in sampled(arch, dtype) for kernel in case_kernels(case)} == set(KERNELS)
 
 
 @pytest.mark.parametrize("arch", SAMPLE_ARCHS)
