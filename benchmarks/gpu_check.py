@@ -31,7 +31,7 @@ Sections, each a list of JSON rows in the record (a row that failed says why in 
 - kernels: the GPU kernels of one bfloat16 plap_attention forward + backward, by name, from torch.profiler: launches
   per call, microseconds per call and per launch in launch order (a kernel's first pass, then its exact pass), at the
   paper LM's and the kernel-speed shapes (4k, 4k-d128, 16k, paper mix) and at 4k with every head at p = 1.5 (one
-  launch per kernel): what benchmarks/gpu_time_model.py is calibrated on; and the host time of a call, in all and in
+  launch per kernel): what tools/kernels/gpu_time_model.py is calibrated on; and the host time of a call, in all and in
   the Triton launches (the part a synchronised call's GPU waits for before its first kernel).
 - train: optimizer steps (forward, backward, AdamW) under bf16 autocast of benchmarks/bench_train_step.py's
   vision (DeiT-tiny), lm (the paper's LM) and llama-125m (12 x 768, 8 x 1024 tokens) pairs, p-LaT against

@@ -53,8 +53,12 @@ def load_fashion_mnist(root=FASHION_MNIST_DIR):
     splits = {}
     for split, (images_path, labels_path) in files.items():
         images = read_idx(images_path)  # (N, 28, 28) uint8
+        # Each image as a binary PGM (a header before the raw pixels), which PIL opens as the same grayscale image:
+        # arrays would be PNG-encoded one by one, 6-12 s for the 70,000 images on 2 CPU cores.
+        header = f"P5 {images.shape[2]} {images.shape[1]} 255\n".encode()
+        encoded = [{"bytes": header + image.tobytes(), "path": None} for image in images]
         splits[split] = datasets.Dataset.from_dict(
-            {"image": list(images), "label": read_idx(labels_path).tolist()}, features=features, split=split
+            {"image": encoded, "label": read_idx(labels_path).tolist()}, features=features, split=split
         )
     return datasets.DatasetDict(splits)
 

@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from modeling_plat import plap_attention_triton as triton_module
 from modeling_plat import triton_configs
 from modeling_plat.plap_dispatch import choose_backend, plap_attention
-from test_triton_compile import DEFAULT_CASES
+from test_triton_compile import SAMPLE
 
 pytestmark = pytest.mark.skipif(triton_module.triton is None, reason="triton is not installed")
 
@@ -49,12 +49,12 @@ def cuda_inputs(batch=2, heads=4, nq=128, nk=128, head_dim=64, value_dim=None, d
 
 
 def compiled_configurations():
-    """(GPU generation, dtype, LaunchConfig) of every configuration the default compile test compiles."""
+    """(GPU generation, dtype, LaunchConfig) of every configuration the compile test's sample compiles."""
     return {
         (case["arch"] // 10, case["dtype"],
          triton_module.launch_config(getattr(torch, case["dtype"]), case["head_dim"], case["value_dim"],
                                      (case["arch"] // 10, case["arch"] % 10)))
-        for case in DEFAULT_CASES
+        for case in SAMPLE
     }  # fmt: skip
 
 

@@ -18,11 +18,12 @@ ROOT = Path(__file__).resolve().parents[2]
 MODELING_RUNTIME = {"torch", "transformers", "safetensors", "numpy", "triton"}
 # The training side and the dependencies only it brings (pyyaml and tokenizers come with transformers itself).
 TRAINING_SIDE = ("plat_train", "datasets", "accelerate", "treebank", "matplotlib", "scipy")
-SOURCE_FOLDERS = ("modeling_plat", "plat_train", "experiments", "benchmarks")
+SOURCE_FOLDERS = ("modeling_plat", "plat_train", "experiments", "benchmarks", "tools/kernels")
 
 
 def module_name(path):
-    """The dotted name a repository file is imported by (experiments and benchmarks are folders of scripts)."""
+    """The dotted name a repository file is imported by (experiments/, benchmarks/ and tools/kernels/ are folders of
+    scripts)."""
     relative = path.relative_to(ROOT).with_suffix("")
     return ".".join(relative.parts[:-1] if relative.name == "__init__" else relative.parts)
 
@@ -52,7 +53,7 @@ def local_target(name, modules, importer):
     """The repository module an import name refers to, or None for outside code."""
     if name in modules:
         return name
-    # Scripts in experiments/ and benchmarks/ import their siblings by bare name.
+    # Scripts in experiments/, benchmarks/ and tools/kernels/ import their siblings by bare name.
     sibling = f"{importer.rpartition('.')[0]}.{name}" if "." in importer else None
     return sibling if sibling in modules else None
 

@@ -1,12 +1,12 @@
 """Distributed training computes what one process computes: FSDP with one unit per module class named in
 ``_no_split_modules``, and both scripts under two-process DDP (torchrun and accelerate launch, gloo) against a
-single process with the same global batch, every process exiting cleanly. Each step here uses the whole training
+single process with the same global batch (losses, gradient norms, evaluation, sliding-window scores), every process
+exiting cleanly and the checkpoint that rank 0 saves reloading. Each step here uses the whole training
 set, so data order cannot make a difference. Launches that could not train as one job are refused before
 training."""
 
 import json
 import os
-import random
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from tiny import ACCELERATE_CONFIGS, free_port, two_processes
+from tiny import ACCELERATE_CONFIGS, free_port, two_processes, write_lines
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from plat_train.arguments import PlatTrainingArguments
 from plat_train.runs import check_launch
@@ -62,24 +63,39 @@ def assert_same_training(single_dir, ddp_dir):
     assert ddp_eval == pytest.approx(single_eval, rel=1e-5)
 
 
-@pytest.mark.parametrize("launcher", ["torchrun", "accelerate"])
-def test_run_clm_two_process_ddp_matches_one_process(launcher, tmp_path):
-    words = "the a cat dog sat ran on under mat tree big small red blue".split()
-    rng = random.Random(0)
-    for split, lines in (("train", 60), ("validation", 20)):
-        text = "\n".join(" ".join(rng.choice(words) for _ in range(rng.randint(4, 12))) for _ in range(lines))
-        (tmp_path / f"{split}.txt").write_text(text + "\n")
+@pytest.fixture(scope="module")
+def text_job(tmp_path_factory):
+    """run_clm.py's arguments on a few lines of random words, saving a checkpoint and scoring by sliding windows, and
+    the output folder of their run in one process (8 sequences per step), which each launcher's run is compared with."""
+    folder = tmp_path_factory.mktemp("text-job")
+    write_lines(folder / "train.txt", 60, seed=0)
+    write_lines(folder / "validation.txt", 20, seed=1)
     common = ["--model_type", "plat", "--config_overrides",
               "hidden_size=32,num_hidden_layers=2,num_attention_heads=4,max_position_embeddings=16",
-              "--train_file", tmp_path / "train.txt", "--validation_file", tmp_path / "validation.txt",
+              "--train_file", folder / "train.txt", "--validation_file", folder / "validation.txt",
               "--tokenizer_type", "word", "--max_train_samples", 8, "--do_train", "--do_eval", "--max_steps", 3,
               "--learning_rate", 3e-3, "--max_eval_samples", 8, "--per_device_eval_batch_size", 4, "--seed", 7,
-              "--report_to", "none", "--save_strategy", "no", "--logging_steps", 1, "--use_cpu"]
+              "--report_to", "none", "--save_steps", 3, "--logging_steps", 1, "--eval_stride", 4,
+              "--sliding_window_batch_size", 8, "--use_cpu"]  # fmt: skip
+    launch(ROOT / "run_clm.py", *common, "--per_device_train_batch_size", 8, "--output_dir", folder / "single")
+    return common, folder / "single"
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "accelerate"])
+def test_run_clm_two_process_ddp_matches_one_process(launcher, text_job, tmp_path):
+    common, single_dir = text_job
     # Full batches everywhere (training and evaluation), so that means over batches are means over examples.
-    for processes, how in ((1, None), (2, launcher)):
-        launch(ROOT / "run_clm.py", *common, "--per_device_train_batch_size", 8 // processes,
-               "--output_dir", tmp_path / f"out{processes}", launcher=how)
-    assert_same_training(tmp_path / "out1", tmp_path / "out2")
+    output = launch(ROOT / "run_clm.py", *common, "--per_device_train_batch_size", 4, "--output_dir", tmp_path,
+                    launcher=launcher)  # fmt: skip
+    assert "Process rank 1," in output
+    assert_same_training(single_dir, tmp_path)
+    sliding = [json.loads((folder / "all_results.json").read_text()) for folder in (single_dir, tmp_path)]
+    assert sliding[1]["eval_sliding_tokens"] == sliding[0]["eval_sliding_tokens"] > 0
+    assert sliding[1]["eval_sliding_perplexity"] == pytest.approx(sliding[0]["eval_sliding_perplexity"], rel=1e-5)
+    # The checkpoint that rank 0 saved reloads with the tokenizer the job trained.
+    assert json.loads((tmp_path / "checkpoint-3" / "trainer_state.json").read_text())["global_step"] == 3
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoint-3")
+    assert model.config.vocab_size == len(AutoTokenizer.from_pretrained(tmp_path))
 
 
 def write_square_images(root, per_class, seed):
@@ -93,20 +109,30 @@ def write_square_images(root, per_class, seed):
     return root
 
 
-@pytest.mark.parametrize("launcher", ["torchrun", "accelerate"])
-def test_run_image_classification_two_process_ddp_matches_one_process(launcher, tmp_path):
-    common = ["--train_dir", write_square_images(tmp_path / "train", 6, 0),
-              "--validation_dir", write_square_images(tmp_path / "validation", 3, 1),
+@pytest.fixture(scope="module")
+def image_job(tmp_path_factory):
+    """run_image_classification.py's arguments on square images (no augmentation), and the output folder of their run
+    in one process (12 images per step)."""
+    folder = tmp_path_factory.mktemp("image-job")
+    common = ["--train_dir", write_square_images(folder / "train", 6, 0),
+              "--validation_dir", write_square_images(folder / "validation", 3, 1),
               "--config_name", "plat-deit-tiny", "--config_overrides",
               "hidden_size=32,num_hidden_layers=2,num_attention_heads=2,intermediate_size=64,plap_p=[1.5,2.5],"
               "image_size=16,patch_size=4", "--crop_scale_min", 1.0, "--hflip_prob", 0.0, "--do_train", "--do_eval",
               "--max_steps", 3, "--learning_rate", 3e-3, "--per_device_eval_batch_size", 3, "--seed", 7,
               "--report_to", "none", "--save_strategy", "no", "--logging_steps", 1, "--dataloader_num_workers", 0,
               "--use_cpu"]
-    for processes, how in ((1, None), (2, launcher)):
-        launch(ROOT / "run_image_classification.py", *common, "--per_device_train_batch_size", 12 // processes,
-               "--output_dir", tmp_path / f"out{processes}", launcher=how)
-    assert_same_training(tmp_path / "out1", tmp_path / "out2")
+    launch(ROOT / "run_image_classification.py", *common, "--per_device_train_batch_size", 12,
+           "--output_dir", folder / "single")  # fmt: skip
+    return common, folder / "single"
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "accelerate"])
+def test_run_image_classification_two_process_ddp_matches_one_process(launcher, image_job, tmp_path):
+    common, single_dir = image_job
+    launch(ROOT / "run_image_classification.py", *common, "--per_device_train_batch_size", 6, "--output_dir", tmp_path,
+           launcher=launcher)  # fmt: skip
+    assert_same_training(single_dir, tmp_path)
 
 
 def tiny_text_job(folder):

@@ -1,10 +1,10 @@
 """run_clm.py end to end on tiny generated text and a slice of the embedded Penn Treebank, the sliding-window
-evaluation against direct per-token scoring, resuming, two-process DDP, and the clear errors for bad input."""
+evaluation against direct per-token scoring, resuming, and the clear errors for bad input (two-process DDP:
+tests/robustness/test_distributed.py)."""
 
 import itertools
 import json
 import math
-import os
 import shutil
 import subprocess
 import sys
@@ -15,7 +15,7 @@ import huggingface_hub
 import pytest
 import torch
 import yaml
-from tiny import BLOCK, FAST, ROOT, TINY_MODEL, WORDS, lm, tensorboard_scalars, two_processes, write_lines
+from tiny import BLOCK, FAST, ROOT, TINY_MODEL, WORDS, lm, tensorboard_scalars, write_lines
 from torch.nn import functional as F
 from transformers import (
     AutoModelForCausalLM,
@@ -163,20 +163,6 @@ def test_do_predict_scores_the_test_split_only(text_files, tmp_path):
                       "--output_dir", str(tmp_path / "no-test")])
 
 
-def test_metrics_reach_tensorboard(text_files, tmp_path):
-    output_dir = tmp_path / "out"
-    # In a process of its own, as a user runs it: the writer of the final evaluation flushes when the job ends.
-    args = [*TINY_MODEL, *files_args(text_files), *FAST, "--tokenizer_type", "word", "--do_train", "--do_eval",
-            "--max_steps", "2", "--eval_stride", "8", "--max_eval_samples", "4", "--output_dir", str(output_dir)]
-    args[args.index("--report_to") + 1] = "tensorboard"
-    result = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert result.returncode == 0, result.stderr[-3000:]
-    scalars, metrics = tensorboard_scalars(output_dir / "runs"), results(output_dir)
-    for split in ("eval", "test"):
-        for name in ("perplexity", "sliding_perplexity", "unigram_perplexity", "accuracy"):
-            assert scalars[f"{split}/{name}"][-1] == pytest.approx(metrics[f"{split}_{name}"], rel=1e-6), (split, name)
-
-
 @pytest.fixture(scope="module")
 def gpt2_folder(text_files, tmp_path_factory):
     """A transformers GPT-2 checkpoint with a word tokenizer of the test texts."""
@@ -230,14 +216,22 @@ def test_stock_gpt2_fine_tunes_with_the_p_mix_and_reloads(gpt2_folder, text_file
     assert math.isfinite(results(output_dir)["eval_perplexity"])
 
 
-def test_disable_tqdm_silences_every_progress_bar(gpt2_folder, text_files, tmp_path):
-    command = [sys.executable, str(SCRIPT), "--model_name_or_path", str(gpt2_folder), *files_args(text_files), *FAST,
-               "--do_train", "--do_eval", "--max_steps", "2", "--eval_stride", "8", "--max_eval_samples", "4",
-               "--output_dir", str(tmp_path / "out"), "--disable_tqdm", "true"]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT)
+def test_metrics_reach_tensorboard_and_disable_tqdm_silences_every_progress_bar(gpt2_folder, text_files, tmp_path):
+    """In a process of its own, as a user runs it: the writer of the final evaluation flushes when the job ends, and no
+    progress bar is printed, that of the stock checkpoint's loading included."""
+    output_dir = tmp_path / "out"
+    args = ["--model_name_or_path", str(gpt2_folder), *files_args(text_files), *FAST, "--do_train", "--do_eval",
+            "--max_steps", "2", "--eval_stride", "8", "--max_eval_samples", "4", "--output_dir", str(output_dir),
+            "--disable_tqdm", "true"]  # fmt: skip
+    args[args.index("--report_to") + 1] = "tensorboard"
+    result = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
     output = result.stdout + result.stderr
     assert "it/s]" not in output and "s/it]" not in output and "%|" not in output, output[-2000:]
+    scalars, metrics = tensorboard_scalars(output_dir / "runs"), results(output_dir)
+    for split in ("eval", "test"):
+        for name in ("perplexity", "sliding_perplexity", "unigram_perplexity", "accuracy"):
+            assert scalars[f"{split}/{name}"][-1] == pytest.approx(metrics[f"{split}_{name}"], rel=1e-6), (split, name)
 
 
 def test_penn_treebank_default_on_a_slice(tmp_path):
@@ -424,24 +418,6 @@ def test_saved_word_tokenizer_generates_readable_text_pads_and_starts_without_a_
     # Without a prompt, generation starts from the BOS token.
     generated = generator.model.generate(max_new_tokens=3, do_sample=False)
     assert generated.shape == (1, 4) and generated[0, 0] == tokenizer.bos_token_id
-
-
-@pytest.mark.parametrize("launcher", ["torchrun", "accelerate"])
-def test_two_process_ddp_on_cpu_saves_a_checkpoint_that_reloads(launcher, text_files, tmp_path):
-    output_dir = tmp_path / "out"
-    command = [*two_processes(launcher), str(SCRIPT), *TINY_MODEL, *files_args(text_files), *FAST,
-               "--tokenizer_type", "word", "--do_train", "--do_eval", "--max_steps", "3", "--save_steps", "3",
-               "--use_cpu", "--ddp_backend", "gloo", "--eval_stride", "4", "--sliding_window_batch_size", "8",
-               "--output_dir", str(output_dir)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    completed = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
-    metrics = results(output_dir)
-    assert "Process rank 1," in completed.stdout + completed.stderr
-    assert trainer_step(output_dir / "checkpoint-3") == 3
-    assert math.isfinite(metrics["eval_sliding_perplexity"]) and metrics["eval_sliding_tokens"] > 0
-    model = AutoModelForCausalLM.from_pretrained(output_dir / "checkpoint-3")
-    assert model.config.vocab_size == len(WORDS) + 3
 
 
 @pytest.mark.slow  # compiling takes about a minute on 2 CPU cores

@@ -1,6 +1,7 @@
 """run_image_classification.py end to end on tiny generated image folders and a slice of Fashion-MNIST, plus
 the augmentation pipeline and the clear errors for bad input."""
 
+import gzip
 import json
 import logging
 import os
@@ -328,6 +329,27 @@ def test_the_fashion_mnist_preset_normalises_with_the_training_images_statistics
     shipped = image_processor_preset("plat-fmnist-tiny")
     assert shipped["image_mean"] == [round(float(pixels.mean()), 3)]
     assert shipped["image_std"] == [round(float(pixels.std()), 3)]
+
+
+def write_idx(path, array):
+    """An idx gzip file: a magic number whose low byte is the number of dimensions, each size, the bytes."""
+    header = bytes([0, 0, 8, array.ndim]) + b"".join(size.to_bytes(4, "big") for size in array.shape)
+    with gzip.open(path, "wb") as handle:
+        handle.write(header + array.astype(np.uint8).tobytes())
+
+
+def test_fashion_mnist_images_are_the_idx_pixels(tmp_path):
+    rng = np.random.default_rng(0)
+    pixels = {"train": rng.integers(0, 256, (3, 28, 28)), "test": rng.integers(0, 256, (2, 28, 28))}
+    for split, (images_path, labels_path) in vision_data.fashion_mnist_files(tmp_path).items():
+        write_idx(images_path, pixels[split])
+        write_idx(labels_path, np.arange(len(pixels[split])))
+    loaded = vision_data.load_fashion_mnist(tmp_path)
+    for split, expected in pixels.items():
+        images = loaded[split]["image"]
+        assert all(image.mode == "L" for image in images)
+        assert np.array_equal(np.stack([np.asarray(image) for image in images]), expected)
+        assert loaded[split]["label"] == list(range(len(expected)))
 
 
 def test_missing_fashion_mnist_says_how_to_install(tmp_path):

@@ -1,7 +1,7 @@
-"""benchmarks/gpu_static_cost.py on CPU: the SASS counting on a hand-written listing, and its quick subset compiled
+"""tools/kernels/gpu_static_cost.py on CPU: the SASS counting on a hand-written listing, and its quick subset compiled
 for real (sm_90, bfloat16, head size 64, paper), whose instructions per score must stay near today's."""
 
-import importlib.util
+import importlib
 import json
 import os
 import subprocess
@@ -12,7 +12,7 @@ import pytest
 
 from modeling_plat import plap_attention_triton as triton_module
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_static_cost.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "gpu_static_cost.py"
 pytestmark = pytest.mark.skipif(triton_module.triton is None, reason="triton is not installed")
 
 # Instructions per score of each kernel's main loop on its common path as measured (sm_90, bfloat16, d = 64, paper
@@ -44,10 +44,7 @@ LISTING = """
 
 @pytest.fixture(scope="module")
 def tool():
-    spec = importlib.util.spec_from_file_location("gpu_static_cost", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module("gpu_static_cost")  # on setup.cfg's pytest pythonpath
 
 
 def test_counting_of_a_listing(tool, monkeypatch):

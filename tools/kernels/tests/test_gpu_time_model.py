@@ -1,29 +1,22 @@
-"""benchmarks/gpu_time_model.py on CPU: residency, latency hiding, the tiles' scores and the auxiliary bytes, each
+"""tools/kernels/gpu_time_model.py on CPU: residency, latency hiding, the tiles' scores and the auxiliary bytes, each
 against what it must equal (no compile: the kernels' analyses are those of gpu_static_cost, tested beside)."""
 
-import importlib.util
+import importlib
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from modeling_plat import plap_attention_triton as triton_module
+from modeling_plat import triton_tiles
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+ROOT = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture(scope="module")
 def model():
-    sys.path.insert(0, str(BENCHMARKS))  # it imports gpu_static_cost beside it
-    try:
-        spec = importlib.util.spec_from_file_location("gpu_time_model", BENCHMARKS / "gpu_time_model.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(BENCHMARKS))
-    return module
+    return importlib.import_module("gpu_time_model")  # on setup.cfg's pytest pythonpath, beside gpu_static_cost
 
 
 @pytest.mark.parametrize(
@@ -98,7 +91,7 @@ if triton_module.INTERPRETED:
     @triton.jit
     def _program_ids_kernel(Out, num_rows, head_start, run_heads, num_heads, BLOCK: tl.constexpr,
                             HEAVY_LAST: tl.constexpr):  # fmt: skip
-        block, slab, _ = triton_module._program_ids(num_rows, head_start, run_heads, num_heads, BLOCK, HEAVY_LAST)
+        block, slab, _ = triton_tiles.program_ids(num_rows, head_start, run_heads, num_heads, -1, BLOCK, HEAVY_LAST)
         pid = tl.program_id(0)
         tl.store(Out + 2 * pid, block)
         tl.store(Out + 2 * pid + 1, slab.to(tl.int32))
@@ -107,7 +100,7 @@ if triton_module.INTERPRETED:
 @pytest.mark.skipif(not triton_module.INTERPRETED, reason="runs the kernels' grid mapping under the Triton interpreter")
 @pytest.mark.parametrize("kernel, is_causal", [("fwd", True), ("dq", True), ("dkdv", True), ("fwd", False)])
 def test_program_order_is_the_kernels(model, kernel, is_causal):
-    """The model's grid order is what ``_program_ids`` gives each program: a launch over heads 1-3 of 5, batch 2."""
+    """The model's grid order is what ``triton_tiles.program_ids`` gives each program: a launch over heads 1-3 of 5, batch 2."""
     batch, head_start, run_heads, num_heads, rows, block = 2, 1, 3, 5, 100, 32
     num_blocks = -(-rows // block)
     out = torch.zeros(num_blocks * batch * run_heads, 2, dtype=torch.int32)
@@ -168,7 +161,7 @@ def test_calibration_reproduces_the_fitted_constants(model, capsys):
     """--calibrate compiles the measured commits' kernels and refits: the module's constants are what it finds,
     every fitted kernel time is predicted within 20% (dK/dV at head size 128 of 059074d is the farthest, -16%), and
     that commit's peak memory within 2%."""
-    if shutil.which("git") is None or not (BENCHMARKS.parent / ".git").exists():
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
         pytest.skip("needs the repository's history")
     ready, bandwidth = model.calibrate()  # compiles in a child process, without the interpreter
     assert round(ready, 3) == model.LATENCY_HIDING

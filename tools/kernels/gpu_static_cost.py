@@ -1,9 +1,9 @@
 """A static cost model of the fused Triton kernels on NVIDIA GPUs, computed on a machine without one.
 
-    python benchmarks/gpu_static_cost.py [--quick] [--json results.json]
+    python tools/kernels/gpu_static_cost.py [--quick] [--json results.json]
 
 Each kernel (forward, dK/dV, dQ) is compiled for sm_90 (H100) and sm_80 (A100) with the launch configuration
-that the Triton backend uses there (benchmarks/triton_aot.py: Triton's compiler and the ptxas of its wheel), then
+that the Triton backend uses there (tools/kernels/triton_aot.py: Triton's compiler and the ptxas of its wheel), then
 disassembled with the wheel's ``cuobjdump -sass``. The main loop is the range of a backward branch, the
 shortest that holds a matmul (the loop of plain tiles where a kernel splits off the masked ones). Its
 instructions are counted per score, that is divided by the scores one thread handles per iteration
@@ -24,7 +24,7 @@ bf16/fp16 tensor rate 989 TFLOP/s over 132 SMs at 1.83 GHz, 312 TFLOP/s over 108
 
 Memory (L2, shared-memory bandwidth) and latency are not modelled: the figure is a floor set by the
 instructions each score needs, meant for comparing kernels compiled the same way. The yardstick is a
-softmax-only FlashAttention-2-style forward (benchmarks/flash_baseline_kernel.py) compiled for the same
+softmax-only FlashAttention-2-style forward (tools/kernels/flash_baseline_kernel.py) compiled for the same
 architecture, dtype and head size; its backward is counted as 2.5 forwards. "paper mix" is the paper's heads:
 half with p = 1.5, half with p = 2.5 (the time per score is their mean).
 

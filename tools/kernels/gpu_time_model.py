@@ -1,7 +1,7 @@
 """Predicted times of the fused Triton kernels on Hopper, calibrated on an H200 and an H100 and computed without a GPU.
 
-    python benchmarks/gpu_time_model.py              # today's kernels at the kernel-speed targets' shapes
-    python benchmarks/gpu_time_model.py --calibrate  # refit LATENCY_HIDING on the measured kernels (CALIBRATIONS)
+    python tools/kernels/gpu_time_model.py              # today's kernels at the kernel-speed targets' shapes
+    python tools/kernels/gpu_time_model.py --calibrate  # refit LATENCY_HIDING on the measured kernels (CALIBRATIONS)
 
 ``gpu_static_cost.py`` counts what each score costs at the pipes' full rate. Nsight Compute on an H200 showed the
 kernels far from it: at 207-255 registers per thread one block of 8 warps fits an SM, 2 warps per scheduler, and the
@@ -54,7 +54,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import gpu_static_cost
 from modeling_plat import paper_p_mix
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # Per-SM residency limits (CUDA C++ Programming Guide, "Technical Specifications per Compute Capability"; 1 KB of
 # shared memory per block is reserved by the system).
 RESIDENCY = {
@@ -167,7 +167,7 @@ def visited_scores(kernel, config, tokens, is_causal):
 
 # The order in which a launch's grid runs its programs: "slab major" (each slab's row blocks in turn, the first block
 # first: the kernels of CALIBRATION_COMMIT) or "heavy first" (the slabs fastest, the row blocks from the longest loop
-# to the shortest: today's ``_program_ids``).
+# to the shortest: ``triton_tiles.program_ids``).
 GRID_ORDERS = ("slab major", "heavy first")
 
 
@@ -258,19 +258,19 @@ class HostCalls:
 
     def forward(self):
         """out, lse, own weight and squared norms: what the forward saves for the backward."""
-        return self.fused_forward(self.query, self.key, self.value, None, None, self.p, True, 1e-6, False, self.config)
+        return self.fused_forward(self.query, self.key, self.value, None, None, self.p, True, 0, 1e-6, False,
+                                  self.config)  # fmt: skip
 
     def backward(self, saved):
         return self.fused_backward(self.grad_out, self.query, self.key, self.value, None, None, *saved, self.p, True,
-                                   1e-6, False, self.config)  # fmt: skip
+                                   0, 1e-6, False, self.config)  # fmt: skip
 
 
 def auxiliary_bytes(triton_module, batch, heads, tokens, head_dim, p, dtype=torch.bfloat16):
     """(forward, backward) bytes moved by the Triton backend's work besides its three attention kernels, on meta
     tensors: tensor operations, and the auxiliary kernels' tensors (each read or written once); no kernel runs."""
     calls = HostCalls(triton_module, batch, heads, tokens, head_dim, p, dtype)
-    main_kernels = {getattr(triton_module, name) for name in ("_plap_fwd_kernel", "_plap_bwd_dkdv_kernel",
-                                                              "_plap_bwd_dq_kernel")}  # fmt: skip
+    main_kernels = {triton_module.plap_forward_kernel, triton_module.plap_dkdv_kernel, triton_module.plap_dq_kernel}
     counters = []
 
     def count(launch, query, value):
@@ -386,16 +386,28 @@ def calibration_inputs(json_path):
 
 
 
+# Where the AOT helper lived in a commit: the calibration commits predate tools/kernels/.
+AOT_HELPER_PATHS = ("tools/kernels/triton_aot.py", "benchmarks/triton_aot.py")
+
+
+def aot_helper_path(commit):
+    """The path of triton_aot.py in a commit."""
+    listed = subprocess.run(["git", "-C", str(ROOT), "ls-tree", "--name-only", commit, *AOT_HELPER_PATHS], check=True,
+                            capture_output=True, text=True).stdout.split()  # fmt: skip
+    return next(path for path in AOT_HELPER_PATHS if path in listed)
+
+
 def commit_inputs(commit):
     """calibration_inputs of a commit's kernels, launched by its own launch builder (its backend's argument dtypes) and
     analysed by this tool: its files come first on the path."""
+    helper = aot_helper_path(commit)
     with tempfile.TemporaryDirectory(prefix="gpu-time-model-") as tmp:
-        archive = subprocess.run(["git", "-C", str(ROOT), "archive", commit, "modeling_plat", "benchmarks/triton_aot.py"],
-                                 check=True, capture_output=True)  # fmt: skip
+        archive = subprocess.run(["git", "-C", str(ROOT), "archive", commit, "modeling_plat", helper], check=True,
+                                 capture_output=True)  # fmt: skip
         subprocess.run(["tar", "-x", "-C", tmp], input=archive.stdout, check=True)
         out = Path(tmp) / "inputs.json"
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-        env.update(PYTHONPATH=os.pathsep.join([str(Path(tmp) / "benchmarks"), tmp, str(ROOT / "benchmarks")]),
+        env.update(PYTHONPATH=os.pathsep.join([str(Path(tmp, helper).parent), tmp, str(Path(__file__).parent)]),
                    TRITON_CACHE_DIR=str(Path(tmp) / "cache"))  # fmt: skip
         subprocess.run([sys.executable, "-m", "gpu_time_model", "--calibration-inputs", str(out)], check=True, env=env,
                        cwd=tmp)  # fmt: skip

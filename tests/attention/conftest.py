@@ -1,0 +1,38 @@
+"""The kernels of the selected compile tests (test_triton_compile.py) compile in child processes from the first
+attention test on, instead of alone when their module comes: compilation is single-threaded, as most tests are, so
+that the children mostly run on the core the tests leave idle."""
+
+import importlib.util
+
+import pytest
+from triton_aot import Compilation, case_id
+
+
+def selected_cases(session, test_name):
+    """The cases of the selected tests of that name (all of them, or fewer with -k), each once."""
+    cases = {}
+    for item in session.items:
+        if getattr(item, "originalname", None) == test_name:
+            case = item.callspec.params["case"]
+            cases[case_id(case)] = case
+    return list(cases.values())
+
+
+def start_compiling(request, tmp_path_factory, test_name):
+    cases = selected_cases(request.session, test_name)
+    if not cases or importlib.util.find_spec("triton") is None:  # the compile tests skip without Triton
+        return None
+    return Compilation(cases, tmp_path_factory.mktemp("triton-cache"))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def sample_compilation(request, tmp_path_factory):
+    compilation = start_compiling(request, tmp_path_factory, "test_kernel_compiles_and_fits")
+    yield compilation
+    if compilation is not None:
+        compilation.close()  # the session ended before its tests (-x, a keyboard interrupt)
+
+
+@pytest.fixture(scope="module")
+def full_compilation(request, tmp_path_factory):
+    return start_compiling(request, tmp_path_factory, "test_kernel_compiles_and_fits_everywhere")

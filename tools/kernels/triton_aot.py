@@ -1,0 +1,247 @@
+"""Compile the fused Triton kernels ahead of time for NVIDIA GPUs, on a machine without one.
+
+Each case is one input configuration (architecture, dtype, head sizes, mask and formulation flags). Its
+kernels are built with the launch functions of ``plap_attention_triton`` on small CPU tensors, so that the
+arguments, their specialisation (alignment, strides of 1) and the launch configuration are those of a real
+launch, and compiled by ``triton.compile`` for ``GPUTarget("cuda", arch, 32)``: Triton's own front end, the
+NVIDIA backend and the ``ptxas`` shipped in its wheel. No GPU or driver is involved.
+
+The interpreter (TRITON_INTERPRET=1, set by the tests on CPU) replaces the kernels by interpreted
+functions, so compilation runs in child processes without it: a ``Compilation`` starts
+
+    python tools/kernels/triton_aot.py cases.json
+
+each of which prints one JSON line per kernel: shared memory bytes, registers and spills (from ``ptxas -v``),
+compile seconds and the Triton version, or the error.
+
+The children import the installed Triton, or the one in the folder that ``PLAT_AOT_TRITON`` names (a
+``pip install --no-deps --target`` of another version): a GPU runs the Triton its torch pins, not necessarily this
+machine's (tools/kernels/README.md).
+"""
+
+import contextlib
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+# Names a folder holding another Triton than the installed one, which the compile children import first.
+TRITON_FOLDER_VARIABLE = "PLAT_AOT_TRITON"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Each attention kernel's first pass (the distances' expansion alone), and its exact pass (close pairs by direct
+# differences) as <name>_exact.
+KERNELS = ("fwd", "fwd_exact", "dq", "dq_exact", "dkdv", "dkdv_exact")
+
+
+def case_kernels(case):
+    """The kernels compiled for a case: ``kernels`` if it names some, else all."""
+    return tuple(case.get("kernels", KERNELS))
+DEFAULT_P = 1.5  # the paper's p < 2; p = 2.5 and any other p compile other powers
+HEADS = 3  # of the small inputs a case is compiled for
+
+
+def case_p(case):
+    """The heads' p of a case: ``p`` is one float for every head, or a list of one per head."""
+    p = case.get("p", DEFAULT_P)
+    return tuple(p) if isinstance(p, (list, tuple)) else (p,) * HEADS
+
+
+def case_id(case):
+    flags = "".join(name for name, on in (("causal-", case["is_causal"]), ("padding-", case["key_mask"]),
+                                          ("packed-", case.get("documents"))) if on)  # fmt: skip
+    window = f"window{case['window']}-" if case.get("window") else ""
+    return (
+        f"sm{case['arch']}-{case['dtype']}-d{case['head_dim']}-dv{case['value_dim']}-{flags}{window}"
+        f"{'euler' if case['euler'] else 'paper'}-p{'+'.join(f'{p:g}' for p in sorted(set(case_p(case))))}"
+        f"-nq{case['num_queries']}"
+        f"-nk{case['num_keys']}"
+    )
+
+
+def launches(triton_module, case):
+    """The (name, Launch) of the kernels for a case, on CPU tensors shaped as a small real input: three heads with
+    the case's p (at most two values, each its own launch of every kernel pass, under the same name); ``window``, when
+    a case gives one, is a causal sliding window's size."""
+    batch, heads = 2, HEADS
+    dtype = DTYPES[case["dtype"]]
+    nq, nk, d, dv = case["num_queries"], case["num_keys"], case["head_dim"], case["value_dim"]
+    query = torch.zeros(batch, heads, nq, d, dtype=dtype)
+    key = torch.zeros(batch, heads, nk, d, dtype=dtype)
+    value = torch.zeros(batch, heads, nk, dv, dtype=dtype)
+    out = torch.zeros(batch, heads, nq, dv, dtype=dtype)
+    stats = torch.zeros(batch, heads, nq)  # lse, own weight, delta, own dot
+    sq_norms = torch.zeros(batch, heads, nk)
+    key_keep = torch.ones(batch, nk, dtype=torch.int8) if case["key_mask"] else None
+    documents = torch.zeros(batch, nk, 3, dtype=torch.int32) if case.get("documents") else None
+    # dq, dk, dv, and dv's query side in float32
+    grads = [torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value), torch.zeros(out.shape)]
+    config = triton_module.launch_config(dtype, d, dv, (case["arch"] // 10, case["arch"] % 10))
+    flags = (case_p(case), case["is_causal"], 1e-6, case["euler"], config)
+    exact_blocks = [torch.zeros(count, dtype=torch.int32) for count in
+                    triton_module.exact_block_counts(query, key, config)]  # fmt: skip
+    window = case.get("window", 0)
+    forward = triton_module.forward_launches(query, key, value, sq_norms, key_keep, documents, out, stats, stats,
+                                             exact_blocks, *flags, window=window)  # fmt: skip
+    backward = triton_module.backward_launches(query, key, value, sq_norms, key_keep, documents, out, out, stats,
+                                               stats, stats, stats, *grads, exact_blocks, *flags,
+                                               window=window)  # fmt: skip
+    return [(kernel_name(triton_module, launch), launch) for launch in (*forward, *backward)]
+
+
+def kernel_name(triton_module, launch):
+    """The KERNELS entry of a launch: its kernel, and whether it is an exact pass."""
+    kernel = {triton_module.plap_forward_kernel: "fwd", triton_module.plap_dq_kernel: "dq",
+              triton_module.plap_dkdv_kernel: "dkdv"}[launch.kernel]  # fmt: skip
+    return kernel + ("_exact" if launch.meta["PASS"] != int(triton_module.FIRST_PASS) else "")
+
+
+def _compile(launch, arch):
+    """triton.compile of a launch for an sm_<arch> target, specialised as JITFunction.run would."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    target = GPUTarget("cuda", arch, 32)
+    backend = make_backend(target)
+    kernel = launch.kernel
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    kwargs = dict(launch.meta)
+    bound, specialization, options = binder(*launch.args, **kwargs)
+    options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, specialization, options)
+    return triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target, options=options.__dict__)
+
+
+def ptxas_usage(log):
+    """Registers and spill bytes from the ``ptxas -v`` log that Triton prints with TRITON_DUMP_PTXAS_LOG=1."""
+    registers = re.search(r"Used (\d+) registers", log)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    return dict(
+        registers=int(registers.group(1)) if registers else None,
+        spill_stores=int(spills.group(1)) if spills else None,
+        spill_loads=int(spills.group(2)) if spills else None,
+    )
+
+
+def compile_with_log(launch, arch):
+    """(compiled kernel, ptxas log): the log holds registers, spills and warnings when TRITON_DUMP_PTXAS_LOG=1
+    is set and the kernel is not found in Triton's cache."""
+    log = io.StringIO()
+    with contextlib.redirect_stdout(log):
+        compiled = _compile(launch, arch)
+    return compiled, log.getvalue()
+
+
+def compile_case(triton_module, case):
+    """One result dict per kernel of the case: where its two p make two launches of a kernel pass, their largest
+    shared memory, registers and spills (each launch's in ``launches``), or the first error."""
+    results = {}
+    for name, launch in launches(triton_module, case):
+        if name not in case_kernels(case):
+            continue
+        result = results.setdefault(name, dict(case=case_id(case), kernel=name, arch=case["arch"], ok=True,
+                                               triton=triton_version(), seconds=0.0, launches=[]))  # fmt: skip
+        start = time.perf_counter()
+        try:
+            compiled, log = compile_with_log(launch, case["arch"])
+            usage = dict(shared=compiled.metadata.shared, **ptxas_usage(log))
+            result["launches"].append(dict(meta=launch.meta, **usage))
+            for field, value in usage.items():
+                result[field] = max(result.get(field) or 0, value or 0) if value is not None else result.get(field)
+        except Exception as error:  # reported to the test, which fails on it
+            message = f"{type(error).__name__}: {error}"
+            if result["ok"]:
+                result.update(ok=False, meta=launch.meta, error=message[-4000:], trace=traceback.format_exc()[-4000:])
+        result["seconds"] = round(result["seconds"] + time.perf_counter() - start, 2)
+    return list(results.values())
+
+
+def triton_version():
+    import triton
+
+    return f"{triton.__version__} ({Path(triton.__file__).parent})"
+
+
+def child_environment(cache_dir):
+    """The compile children's environment: no interpreter, a fresh cache, ptxas' log, and the Triton of
+    ``PLAT_AOT_TRITON`` first on the path where it names one."""
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    env.update(TRITON_CACHE_DIR=str(cache_dir), TRITON_DUMP_PTXAS_LOG="1")
+    folder = os.environ.get(TRITON_FOLDER_VARIABLE)
+    if folder:
+        if not (Path(folder) / "triton" / "__init__.py").is_file():  # else the installed Triton would answer
+            raise FileNotFoundError(f"{TRITON_FOLDER_VARIABLE}={folder} holds no triton package")
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, (folder, env.get("PYTHONPATH"))))
+    return env
+
+
+class Compilation:
+    """Cases compiling in child processes without the interpreter, started at once; ``results()`` waits for them.
+
+    ``cache_dir`` should be new and empty: a kernel found in Triton's cache would not be compiled again. The cases are
+    dealt round-robin to ``processes`` children (compilation is single-threaded), by default one per CPU core this
+    process may use.
+    """
+
+    def __init__(self, cases, cache_dir, processes=None, seconds_per_case=60):
+        env = child_environment(cache_dir)
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        processes = min(processes or cores, len(cases))
+        self.deadline = time.monotonic() + 30 + seconds_per_case * -(-len(cases) // processes)
+        self.children = []
+        try:
+            for index in range(processes):
+                share = Path(cache_dir) / f"cases-{index}.json"
+                share.write_text(json.dumps(cases[index::processes]))
+                command = [sys.executable, str(Path(__file__).resolve()), str(share)]
+                # Files, not pipes: a child whose pipe filled would wait until the children before it had finished.
+                with open(share.with_suffix(".out"), "w") as out, open(share.with_suffix(".err"), "w") as err:
+                    child = subprocess.Popen(command, stdout=out, stderr=err, env=env, cwd=ROOT)
+                self.children.append((share, child))
+        except BaseException:
+            self.close()
+            raise
+
+    def results(self):
+        """The result dicts of every case's kernels."""
+        try:
+            results = []
+            for share, child in self.children:
+                child.wait(timeout=max(self.deadline - time.monotonic(), 1))
+                if child.returncode != 0:
+                    stderr = share.with_suffix(".err").read_text()
+                    raise RuntimeError(f"the compile process failed ({child.returncode}):\n{stderr[-4000:]}")
+                output = share.with_suffix(".out").read_text()
+                results += [json.loads(line) for line in output.splitlines() if line.startswith("{")]
+            return results
+        finally:
+            self.close()
+
+    def close(self):
+        """Stop the children still running."""
+        for _, child in self.children:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+
+
+def main():
+    from modeling_plat import plap_attention_triton as triton_module
+
+    if triton_module.INTERPRETED:
+        sys.exit("TRITON_INTERPRET is set: the kernels are interpreted functions and cannot be compiled")
+    for case in json.loads(Path(sys.argv[1]).read_text()):
+        for result in compile_case(triton_module, case):
+            print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()
