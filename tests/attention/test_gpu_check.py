@@ -4,6 +4,7 @@ failures, the targets' verdicts and the record."""
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -391,3 +392,18 @@ def test_fallback_section_on_cpu():
     rows = gpu_check.fallback_section(CPU, quiet, shapes={"tiny": (1, 2, 48, 16)}, warmup=0, repeats=1)
     assert rows[0]["faster"] in ("eager", "tiled")
     assert rows[0]["eager"]["fwd_bwd_ms"] > 0 and rows[0]["tiled"]["fwd_bwd_ms"] > 0
+
+
+def test_sweep_stops_at_its_time_budget():
+    """Cases not run within the sweep's seconds are reported skipped, not failed, and not run."""
+    ran = []
+
+    def slow(case):
+        ran.append(case)
+        time.sleep(0.2)
+        return ok_result()
+
+    cases = [case for case in gpu_check.sweep_cases() if case["kind"] == "backend"][:4]
+    results = gpu_check.run_sweep(cases, slow, quiet, seconds=0.3)
+    assert [r["status"] for r in results] == ["ok", "ok", "skipped", "skipped"] and len(ran) == 2
+    assert all(not r["failures"] for r in results)

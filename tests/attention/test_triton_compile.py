@@ -10,12 +10,13 @@ limit among the GPUs that use its configuration (the sample also spills at most 
 spills are printed. Triton's cache points at a new directory, so that nothing compiled before can hide a failure;
 the compilation starts with the first attention test (conftest.py).
 
-By default a sample (``SAMPLE``, 102 kernels): on sm_80 and sm_90 every padded head size each dtype is admitted at,
-every kernel and pass of each dtype, each side of every branch (causal, key padding, packed documents, euler, one or
-two power classes per launch, lengths that are not multiples of 16, Nq < Nk, a value size of its own) and the
-configuration that failed on an H200. ``-m kernels`` compiles the full matrix
+By default a sample (``SAMPLE``, 114 kernel passes): on sm_80 and sm_90 every padded head size each dtype is admitted at,
+every kernel and pass of each dtype, each side of every branch (causal, a sliding window, key padding, packed
+documents, euler, the power's three classes, lengths that are not multiples of 16, Nq < Nk, a value size of its own)
+and the configuration that failed on an H200. ``-m kernels`` compiles the full matrix
 (``FULL_MATRIX``, about 4,000 kernels, one child process per core): every head size with every branch on sm_80,
-sm_86, sm_89 and sm_90, and at head sizes 64 and 128 every combination of the flags with each p set.
+sm_86, sm_89 and sm_90, and at head sizes 64 and 128 every combination of the flags (causal ones with and without a
+sliding window) with each p set.
 ``PLAT_AOT_TRITON=<folder>`` compiles with the Triton installed in that folder instead of this machine's
 (tools/kernels/README.md).
 """
@@ -37,7 +38,7 @@ FIRST_PASSES = ("fwd", "dkdv", "dq")
 FLAGS = ("is_causal", "key_mask", "euler", "documents")
 ALL_ON, ALL_OFF = dict.fromkeys(FLAGS, True), dict.fromkeys(FLAGS, False)
 CAUSAL = dict(ALL_OFF, is_causal=True)
-# The power has three classes (p = 1.5, 2.5, any other p), and a launch whose heads have two p compiles both.
+# The power has three classes (p = 1.5, 2.5, any other p), each compiled into the launches of its heads.
 PAPER_MIX = [1.5, 2.5, 2.5]
 OTHER_MIX = [2.5, 3.0, 3.0]
 UNEVEN = (197, 250)  # Nq < Nk, neither a multiple of 16
@@ -56,12 +57,13 @@ def admitted(case):
     return triton_module.capability_reason(capability, dtype, case["head_dim"], case["value_dim"]) is None
 
 
-def make_case(arch, dtype, head_dim, value_dim=None, flags=ALL_ON, p=1.5, lengths=(256, 256), kernels=KERNELS):
-    """A case of triton_aot; packed rows have as many queries as keys."""
+def make_case(arch, dtype, head_dim, value_dim=None, flags=ALL_ON, p=1.5, lengths=(256, 256), kernels=KERNELS,
+              window=0):  # fmt: skip
+    """A case of triton_aot; packed rows have as many queries as keys; ``window`` a causal sliding window's size."""
     num_queries, num_keys = lengths
     return dict(arch=arch, dtype=dtype, head_dim=head_dim, value_dim=value_dim or head_dim, **flags, p=p,
                 num_queries=num_queries, num_keys=num_queries if flags["documents"] else num_keys,
-                kernels=kernels)  # fmt: skip
+                kernels=kernels, window=window)  # fmt: skip
 
 
 def sample_cases(arch):
@@ -70,6 +72,8 @@ def sample_cases(arch):
         # under causal masking alone, where the first passes run under their register cap.
         make_case(arch, "bfloat16", 64, flags=CAUSAL, p=PAPER_MIX, kernels=FIRST_PASSES),
         make_case(arch, "bfloat16", 128, flags=CAUSAL, p=PAPER_MIX, kernels=FIRST_PASSES),
+        # A sliding window (Mistral's, Gemma's): its loop bounds and the window's edge in the masked tiles.
+        make_case(arch, "bfloat16", 64, flags=dict(ALL_ON, euler=False), p=PAPER_MIX, window=100),
         # Every pass of each kernel of each dtype, every branch taken: the most state, the most spills.
         make_case(arch, "bfloat16", 64, p=PAPER_MIX),
         make_case(arch, "bfloat16", 128, p=PAPER_MIX),
@@ -96,9 +100,10 @@ def full_matrix():
     flag_sets = [dict(zip(FLAGS, values)) for values in itertools.product((False, True), repeat=len(FLAGS))]
     every_size = [make_case(arch, dtype, d, dv, lengths=UNEVEN)
                   for arch, dtype, (d, dv) in itertools.product((80, 86, 89, 90), DTYPES, head_sizes)]  # fmt: skip
-    every_branch = [make_case(arch, dtype, d, flags=flags, p=p, lengths=UNEVEN)
-                    for arch, dtype, d, flags, p in itertools.product(SAMPLE_ARCHS, DTYPES, (64, 128), flag_sets,
-                                                                      (1.5, PAPER_MIX, OTHER_MIX))]  # fmt: skip
+    every_branch = [make_case(arch, dtype, d, flags=flags, p=p, lengths=UNEVEN, window=window)
+                    for arch, dtype, d, flags, p, window in itertools.product(
+                        SAMPLE_ARCHS, DTYPES, (64, 128), flag_sets, (1.5, PAPER_MIX, OTHER_MIX), (0, 100))
+                    if flags["is_causal"] or not window]  # fmt: skip
     every_branch_8x = [make_case(arch, dtype, 64, flags=flags, lengths=UNEVEN)
                        for arch, dtype, flags in itertools.product((86, 89), DTYPES, flag_sets)]  # fmt: skip
     unique = {case_id(case): case for case in every_size + every_branch + every_branch_8x if admitted(case)}
@@ -187,7 +192,8 @@ def test_sample_takes_each_side_of_every_branch(arch):
         assert {case[flag] for case in cases} == {False, True}, flag
     classes = [{1.5: "1.5", 2.5: "2.5"}.get(p, "other") for case in cases for p in set(case_p(case))]
     assert set(classes) == {"1.5", "2.5", "other"}
-    assert {len(set(case_p(case))) for case in cases} == {1, 2}  # one and two power classes per launch
+    assert {len(set(case_p(case))) for case in cases} == {1, 2}  # one p, and a run of heads with two (two launches)
+    assert {bool(case["window"]) for case in cases} == {False, True}
     assert {case["num_queries"] % 16 == 0 for case in cases} == {False, True}
     assert any(case["num_queries"] < case["num_keys"] for case in cases)
     assert any(case["head_dim"] != case["value_dim"] for case in cases)
