@@ -6,6 +6,7 @@ The backend's files, in reading order:
 - ``triton_tiles.py``: what the kernels share (loads, the power, distances and close pairs, masks, loop bounds);
 - ``triton_forward.py``: the forward kernel (online softmax, output and logsumexp);
 - ``triton_backward.py``: the dQ kernel, then the dK/dV kernel;
+- ``triton_launcher.py``: launches bound to what Triton compiled, or traced for Inductor;
 - this module.
 
 Each kernel runs twice over its grid (``EXACT``): a first pass with the distances' expansion alone, then an exact
@@ -36,8 +37,8 @@ shapes. No gradient for p (static per head).
 
 What a GPU can run is decided before any launch, by ``triton_unsupported_reason``: the Triton version, the compute
 capability, dtypes, head sizes per dtype and architecture (so that the tiles fit its shared memory), mask shapes and
-element counts. ``tests/attention/test_triton_compile.py`` compiles the configurations it admits for each supported
-architecture, on CPU. A compile or launch failure that still happens is re-raised with the configuration and a
+element counts. ``tests/attention/test_triton_compile.py`` compiles a sample of the configurations it admits for each
+supported architecture on CPU, and all of them with ``-m kernels``. A compile or launch failure that still happens is re-raised with the configuration and a
 pointer to the tiled backend, never replaced silently.
 """
 
@@ -59,7 +60,8 @@ from .triton_forward import plap_forward_kernel
 from .triton_launcher import TRITON_VERSION, BoundLaunches, run_launch, traced_launch
 from .triton_tiles import EXACT_ALONE, EXACT_PASS, FIRST_PASS, INTERPRETED, POWER_CLASSES, triton
 
-# Oldest Triton whose compiled kernels are checked (tests/attention/test_triton_compile.py run with it).
+# Oldest Triton whose compiled kernels are checked (tests/attention/test_triton_compile.py with PLAT_AOT_TRITON; older
+# ones do not compile the kernels' tuple arguments).
 MIN_TRITON_VERSION = (3, 5)
 # Offsets inside one (batch, head) slab and program ids are int32; the slab bases are int64.
 MAX_OFFSET = 2**31 - 1
@@ -150,10 +152,9 @@ class Launch(NamedTuple):
 
 
 # Calls of at most this many (query, key) pairs, batch and heads included, run each kernel's exact pass alone over
-# every block instead of a first pass and the exact pass of the flagged blocks: one Triton launch per kernel instead of
-# two. At the paper LM's shape (16 x 8 x 256 x 256 = 2^23) the H100 ran each first pass in 17-26 us and the host took
-# 85 us per launch (docs/performance.md), while the exact passes there cost 9-25% more instructions per score at the
-# same blocks per SM.
+# every block instead of a first pass and the exact pass of the flagged blocks: half the launches, and no flags. At the
+# paper LM's shape (16 x 8 x 256 x 256 = 2^23) an H100 ran each first pass in 17-26 us, less than the host's launch,
+# while an exact pass costs the blocks without close pairs only some more arithmetic.
 ONE_PASS_PAIRS = 2**23
 # Multiply-adds fused (FMA): the kernels' arithmetic and instruction counts assume them, and Triton's default turns
 # fusion off from 3.10.
