@@ -307,11 +307,11 @@ def exact_pass_alone(query, key):
     return query.shape[0] * query.shape[1] * query.shape[2] * key.shape[2] <= ONE_PASS_PAIRS
 
 
-def _exact_flags(query, key, config, alone):
+def _exact_flags(query, key, config):
     """The forward's int32 flags (``exact_block_counts``): its query blocks', written by its first pass, and its key
     tiles', zeroed by its first pass and set by its exact pass; none where every kernel runs its exact pass alone."""
-    counts = (0, 0) if alone else exact_block_counts(query, key, config)
-    return tuple(torch.empty(count, device=query.device, dtype=torch.int32) for count in counts)
+    counts = (0, 0) if exact_pass_alone(query, key) else exact_block_counts(query, key, config)
+    return tuple(query.new_empty(count, dtype=torch.int32) for count in counts)
 
 
 def _flat(config):
@@ -360,7 +360,7 @@ def _fused_forward(
     own_weight = torch.empty_like(lse) if euler else lse.new_empty(0)  # written by euler only
     sq_norms = squared_norms(value)  # (B, H, Nk)
     config, alone = _unflat(config), exact_pass_alone(query, key)
-    exact_blocks = _exact_flags(query, key, config, alone)
+    exact_blocks = _exact_flags(query, key, config)
     for launch in forward_launches(
         query, key, value, sq_norms, key_keep, documents, out, lse, own_weight if euler else lse, exact_blocks,
         tuple(p), is_causal, eps, euler, config, alone, window,
@@ -372,9 +372,9 @@ def _fused_forward(
 def _fake_forward(query, key, value, key_keep, documents, p, is_causal, window, eps, euler, config):
     batch, heads, num_queries, _ = query.shape
     lse = query.new_empty(batch, heads, num_queries, dtype=torch.float32)
-    flags = (lse.new_empty(count, dtype=torch.int32) for count in exact_block_counts(query, key, _unflat(config)))
     return (query.new_empty(batch, heads, num_queries, value.shape[-1]), lse,
-            lse.new_empty(lse.shape if euler else (0,)), lse.new_empty(value.shape[:3]), *flags)  # fmt: skip
+            lse.new_empty(lse.shape if euler else (0,)), lse.new_empty(value.shape[:3]),
+            *_exact_flags(query, key, _unflat(config)))  # fmt: skip
 
 
 def _fused_backward(

@@ -154,7 +154,7 @@ def test_fused_backends_custom_ops_pass_opcheck(backend, euler):
     else:
         config = (module.launch_config(torch.float32, 8, 8, torch.cuda.get_device_capability(DEVICE)) if ON_CUDA
                   else module.INTERPRETER_CONFIG)  # fmt: skip
-        args = (query, key, value, None, None, [1.5, 2.5, 1.5], True, 1e-6, euler, module._flat(config))
+        args = (query, key, value, None, None, [1.5, 2.5, 1.5], True, 0, 1e-6, euler, module._flat(config))
     torch.library.opcheck(module._forward_op, args)
 
 
