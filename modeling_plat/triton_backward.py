@@ -19,9 +19,9 @@ from __future__ import annotations
 
 from .triton_tiles import (
     EXACT_ALONE, EXACT_PASS, FIRST_PASS, FLOAT32_DOT, LN_2, any_set, class_exponent, close_bounds, distances,
-    exact_dot, fixed_documents, forward_flagged, jit, key_loop_bounds, load_rows, load_vector, masked_scores, pair_dot,
-    per_query, power, program_ids, query_loop_bounds, row_ptrs, row_sums, row_sums_init, store_rows, tile_start,
-    times_minus_two, tl,
+    exact_dot, fixed_documents, float32_scalars, forward_flagged, jit, key_loop_bounds, load_rows, load_vector,
+    masked_scores, pair_dot, per_query, power, program_ids, query_loop_bounds, row_ptrs, row_sums, row_sums_init,
+    store_rows, tile_start, times_minus_two, tl,
 )  # fmt: skip
 
 
@@ -146,6 +146,7 @@ def plap_dkdv_kernel(
 ):  # fmt: skip
     """A key block goes to the exact pass where the forward's exact pass flagged a key tile (FLAG_BLOCK keys) that
     holds any of its keys, and to the first pass otherwise."""
+    scale_log2, exponent, eps = float32_scalars(scale_log2, exponent, eps)
     pid_n, slab, in_launch = program_ids(num_keys, head_start, run_heads, num_heads, head_mask, BLOCK_N, False)
     if not in_launch:
         return
@@ -227,6 +228,7 @@ def plap_dq_kernel(
 ):  # fmt: skip
     """A query block goes to the exact pass where the forward flagged one of its query blocks (FLAG_BLOCK queries)
     that holds any of this block's queries, and to the first pass otherwise."""
+    scale_log2, exponent, eps = float32_scalars(scale_log2, exponent, eps)
     pid_m, slab, in_launch = program_ids(num_queries, head_start, run_heads, num_heads, head_mask, BLOCK_M, IS_CAUSAL)
     if not in_launch:
         return

@@ -14,8 +14,8 @@ for the backward; small calls run the exact pass alone.
 from __future__ import annotations
 
 from .triton_tiles import (
-    EXACT_PASS, FIRST_PASS, FLOAT32_DOT, MIN_SCORE, any_set, close_bounds, distances, fixed_documents, jit,
-    key_loop_bounds, load_rows, load_vector, masked_scores, pair_dot, power, program_ids, store_rows, tile_start,
+    EXACT_PASS, FIRST_PASS, FLOAT32_DOT, MIN_SCORE, any_set, close_bounds, distances, fixed_documents, float32_scalars,
+    jit, key_loop_bounds, load_rows, load_vector, masked_scores, pair_dot, power, program_ids, store_rows, tile_start,
     times_minus_two, tl,
 )  # fmt: skip
 
@@ -75,6 +75,7 @@ def plap_forward_kernel(
     exact path's code and registers stay out of the first pass, which fits more blocks per SM. (A flagged block's
     first-pass values may be inf or NaN where the expansion went to zero or below: never stored.) The exact pass alone
     runs every block and reads or writes no flag. A launch runs the heads of one p (``head_mask``, ``program_ids``)."""
+    scale_log2, exponent, eps = float32_scalars(scale_log2, exponent, eps)
     pid_m, slab, in_launch = program_ids(num_queries, head_start, run_heads, num_heads, head_mask, BLOCK_M, IS_CAUSAL)
     if not in_launch:
         return

@@ -96,6 +96,14 @@ def program_ids(num_rows, head_start, run_heads, num_heads, head_mask, BLOCK: tl
 
 
 @jit
+def float32_scalars(scale_log2, exponent, eps):
+    """A launch's float arguments in float32. torch.compile's launcher may type Python floats as float64 (Inductor's
+    signature of floats), which would carry float64 into every tile they touch and mismatch the matmuls' float32
+    accumulators."""
+    return scale_log2.to(tl.float32), exponent.to(tl.float32), eps.to(tl.float32)
+
+
+@jit
 def row_ptrs(ptr, rows, COLS: tl.constexpr, BLOCK_COLS: tl.constexpr):
     """Pointers and mask of rows of a contiguous (rows, COLS) matrix, padded to BLOCK_COLS columns."""
     cols = tl.arange(0, BLOCK_COLS)

@@ -72,6 +72,8 @@ def sample_cases(arch):
         # under causal masking alone, where the first passes run under their register cap.
         make_case(arch, "bfloat16", 64, flags=CAUSAL, p=PAPER_MIX, kernels=FIRST_PASSES),
         make_case(arch, "bfloat16", 128, flags=CAUSAL, p=PAPER_MIX, kernels=FIRST_PASSES),
+        # As torch.compile's launcher types them (Python floats as float64): the kernels take their floats in float32.
+        dict(make_case(arch, "bfloat16", 16, flags=CAUSAL, p=PAPER_MIX), float64_scalars=True),
         # A sliding window (Mistral's, Gemma's): its loop bounds and the window's edge in the masked tiles.
         make_case(arch, "bfloat16", 64, flags=dict(ALL_ON, euler=False), p=PAPER_MIX, window=100),
         # Every pass of each kernel of each dtype, every branch taken: the most state, the most spills.

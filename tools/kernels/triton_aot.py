@@ -58,6 +58,7 @@ def case_id(case):
     flags = "".join(name for name, on in (("causal-", case["is_causal"]), ("padding-", case["key_mask"]),
                                           ("packed-", case.get("documents"))) if on)  # fmt: skip
     window = f"window{case['window']}-" if case.get("window") else ""
+    window += "float64-scalars-" if case.get("float64_scalars") else ""
     return (
         f"sm{case['arch']}-{case['dtype']}-d{case['head_dim']}-dv{case['value_dim']}-{flags}{window}"
         f"{'euler' if case['euler'] else 'paper'}-p{'+'.join(f'{p:g}' for p in sorted(set(case_p(case))))}"
@@ -103,8 +104,9 @@ def kernel_name(triton_module, launch):
     return kernel + ("_exact" if launch.meta["PASS"] != int(triton_module.FIRST_PASS) else "")
 
 
-def _compile(launch, arch):
-    """triton.compile of a launch for an sm_<arch> target, specialised as JITFunction.run would."""
+def _compile(launch, arch, float64_scalars=False):
+    """triton.compile of a launch for an sm_<arch> target, specialised as JITFunction.run would, or with its float
+    arguments typed float64 (``float64_scalars``) as Inductor's launcher may type Python floats under torch.compile."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, make_backend
@@ -117,6 +119,8 @@ def _compile(launch, arch):
     kwargs = dict(launch.meta)
     bound, specialization, options = binder(*launch.args, **kwargs)
     options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, specialization, options)
+    if float64_scalars:
+        signature = {name: "fp64" if kind == "fp32" else kind for name, kind in signature.items()}
     return triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target, options=options.__dict__)
 
 
@@ -131,12 +135,12 @@ def ptxas_usage(log):
     )
 
 
-def compile_with_log(launch, arch):
+def compile_with_log(launch, arch, float64_scalars=False):
     """(compiled kernel, ptxas log): the log holds registers, spills and warnings when TRITON_DUMP_PTXAS_LOG=1
     is set and the kernel is not found in Triton's cache."""
     log = io.StringIO()
     with contextlib.redirect_stdout(log):
-        compiled = _compile(launch, arch)
+        compiled = _compile(launch, arch, float64_scalars)
     return compiled, log.getvalue()
 
 
@@ -151,7 +155,7 @@ def compile_case(triton_module, case):
                                                triton=triton_version(), seconds=0.0, launches=[]))  # fmt: skip
         start = time.perf_counter()
         try:
-            compiled, log = compile_with_log(launch, case["arch"])
+            compiled, log = compile_with_log(launch, case["arch"], case.get("float64_scalars", False))
             usage = dict(shared=compiled.metadata.shared, **ptxas_usage(log))
             result["launches"].append(dict(meta=launch.meta, **usage))
             for field, value in usage.items():
