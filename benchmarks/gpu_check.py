@@ -424,7 +424,7 @@ def run_sweep(cases, runner, log=print, workers=0, seconds=None):
     with contextlib.ExitStack() as stack:
         if workers:
             pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
-            stack.callback(lambda: pool.shutdown(wait=deadline is None, cancel_futures=True))
+            stack.callback(_stop, pool, wait=deadline is None)
             futures = [pool.submit(runner, case) for case in cases]
             calls = [functools.partial(_result_by, future, deadline) for future in futures]
         else:
@@ -442,6 +442,15 @@ def run_sweep(cases, runner, log=print, workers=0, seconds=None):
                 f"{'; '.join(result['failures'])}")  # fmt: skip
             results.append(result)
     return results
+
+
+def _stop(pool, wait):
+    """Shut the pool down; without waiting, its running cases are killed too, or the interpreter's exit would wait for
+    them (minutes of a lease, for a compilation that no one reads)."""
+    processes = list(pool._processes.values()) if not wait else []
+    pool.shutdown(wait=wait, cancel_futures=True)
+    for process in processes:
+        process.kill()
 
 
 def _result_by(future, deadline):

@@ -3,6 +3,7 @@ sizes (the CPU backends and the Triton interpreter; aot_eager for torch.compile)
 failures, the targets' verdicts and the record."""
 
 import json
+import multiprocessing
 import sys
 import time
 from pathlib import Path
@@ -392,6 +393,22 @@ def test_fallback_section_on_cpu():
     rows = gpu_check.fallback_section(CPU, quiet, shapes={"tiny": (1, 2, 48, 16)}, warmup=0, repeats=1)
     assert rows[0]["faster"] in ("eager", "tiled")
     assert rows[0]["eager"]["fwd_bwd_ms"] > 0 and rows[0]["tiled"]["fwd_bwd_ms"] > 0
+
+
+def sleep_a_minute(case):
+    time.sleep(60)
+
+
+def test_sweep_workers_stop_at_its_time_budget():
+    """Cases still running in the workers when the budget runs out are killed, not waited for (at the interpreter's
+    exit either): the rest of the run keeps its time."""
+    cases = [case for case in gpu_check.sweep_cases() if case["kind"] == "backend"][:2]
+    start = time.monotonic()
+    results = gpu_check.run_sweep(cases, sleep_a_minute, quiet, workers=2, seconds=5)
+    assert [r["status"] for r in results] == ["skipped", "skipped"]
+    while multiprocessing.active_children() and time.monotonic() - start < 30:
+        time.sleep(0.1)
+    assert not multiprocessing.active_children() and time.monotonic() - start < 30
 
 
 def test_sweep_stops_at_its_time_budget():
