@@ -36,6 +36,13 @@ from .plap_attention_reference import (
 # per intra-op thread: its few large kernels cost less than the tiled loop's per-call overhead. Re-derive with
 # `python benchmarks/bench_attention.py` (crossovers per machine in docs/performance.md).
 EAGER_MAX_SCORES_PER_THREAD_CPU = 65536
+# On CUDA, where the kernels refuse an input, the eager backend ran forward + backward 21-36x faster than the tiled one
+# on an H200 (bfloat16, d = 64, a general mask, 512-8k tokens: benchmarks/results/gpu_check-h200-2026-11-27-ef73312.json,
+# section "fallback"), at a peak of 38 bytes per score (B * H * Nq * Nk) against the tiled one's O(N). Eager runs while
+# that peak takes at most this share of the GPU's memory (a model keeps each layer's weights for its backward), tiled
+# above.
+EAGER_MAX_MEMORY_SHARE_CUDA = 1 / 16
+EAGER_PEAK_BYTES_PER_SCORE = 38
 
 logger = logging.get_logger(__name__)
 
@@ -47,6 +54,7 @@ class Platform(NamedTuple):
     capability: tuple[int, int] | None  # the CUDA compute capability (major, minor); None elsewhere
     threads: int  # intra-op threads of the CPU
     triton_interpreted: bool  # TRITON_INTERPRET=1: CPU tensors may run the Triton kernels, interpreted
+    memory: int | None = None  # the CUDA device's total memory in bytes; None elsewhere
 
 
 # Constant while torch.compile traces (Dynamo runs it once and keeps the result): the CUDA queries and the thread
@@ -54,8 +62,18 @@ class Platform(NamedTuple):
 @torch.compiler.assume_constant_result
 def device_platform(device_type, device_index):
     """The ``Platform`` of a device, e.g. ``device_platform(query.device.type, query.device.index)``."""
-    capability = torch.cuda.get_device_capability(device_index) if device_type == "cuda" else None
-    return Platform(device_type, capability, torch.get_num_threads(), os.environ.get("TRITON_INTERPRET") == "1")
+    capability, memory = None, None
+    if device_type == "cuda":
+        capability, memory = _cuda_device(torch.cuda.current_device() if device_index is None else device_index)
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    return Platform(device_type, capability, torch.get_num_threads(), interpreted, memory)
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_device(index):
+    """(compute capability, total memory in bytes) of a CUDA device, fixed for the process: asked once."""
+    properties = torch.cuda.get_device_properties(index)
+    return (properties.major, properties.minor), properties.total_memory
 
 
 class Backend:
@@ -150,17 +168,21 @@ def _exporting():
 def preference(query, key, platform):
     """Backends "auto" tries on this ``Platform``, fastest first (measured: `python benchmarks/bench_attention.py`).
 
-    A few queries (decoding with a KV cache): the decode path. CUDA: the fused kernels. CPU: eager for small
-    inputs, tiled (O(N) memory) above. While ``torch.export`` traces, the eager reference: plain tensor
-    operations with no size-dependent Python loop.
+    A few queries (decoding with a KV cache): the decode path. CUDA: the fused kernels, then eager where its
+    weights take a small share of the GPU's memory, else tiled (O(N) memory). CPU: eager for small inputs, tiled
+    above. While ``torch.export`` traces, the eager reference: plain tensor operations with no size-dependent Python
+    loop.
     """
     if _exporting():
         return ("eager",)
     if query.shape[-2] <= DECODE_MAX_QUERIES:
         return ("decode", "eager")
-    if platform.device_type == "cuda":
-        return ("triton", "tiled", "eager")
     scores = query.shape[:-1].numel() * key.shape[-2]
+    if platform.device_type == "cuda":
+        eager_peak = scores * EAGER_PEAK_BYTES_PER_SCORE
+        if platform.memory is None or eager_peak <= platform.memory * EAGER_MAX_MEMORY_SHARE_CUDA:
+            return ("triton", "eager", "tiled")
+        return ("triton", "tiled", "eager")
     if platform.device_type == "cpu" and scores <= EAGER_MAX_SCORES_PER_THREAD_CPU * platform.threads:
         return ("eager", "tiled")
     return ("tiled", "eager")

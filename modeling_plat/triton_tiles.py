@@ -100,7 +100,7 @@ def float32_scalars(scale_log2, exponent, eps):
     """A launch's float arguments in float32. torch.compile's launcher may type Python floats as float64 (Inductor's
     signature of floats), which would carry float64 into every tile they touch and mismatch the matmuls' float32
     accumulators."""
-    return scale_log2.to(tl.float32), exponent.to(tl.float32), eps.to(tl.float32)
+    return tl.cast(scale_log2, tl.float32), tl.cast(exponent, tl.float32), tl.cast(eps, tl.float32)
 
 
 @jit

@@ -16,7 +16,7 @@ from modeling_plat import plap_attention_triton as triton_module
 from modeling_plat.plap_dispatch import Platform
 
 # An H100 as the dispatcher sees it (compute capability 9.0).
-HOPPER = Platform("cuda", (9, 0), threads=torch.get_num_threads(), triton_interpreted=False)
+HOPPER = Platform("cuda", (9, 0), threads=torch.get_num_threads(), triton_interpreted=False, memory=80 * 2**30)
 P_MIX = [1.5, 1.5, 2.5, 2.0]  # both powers and a softmax head
 needs_triton = pytest.mark.skipif(triton_module.triton is None, reason="triton is not installed")
 
@@ -80,12 +80,27 @@ def test_fallback_from_the_fused_kernels_is_logged_once_per_reason():
     with CaptureLogger(logger) as captured:
         for _ in range(2):
             chosen = dispatch.choose_backend("auto", q, q, q, p=(1.5,) * 3, attn_mask=general_mask, platform=HOPPER)
-    assert chosen.name == "tiled"
-    assert captured.out.count("runs the 'tiled' backend on CUDA instead of the fused Triton kernels") == 1
-    assert "key-padding" in captured.out and "O(N) memory" in captured.out
+    assert chosen.name == "eager"
+    assert captured.out.count("runs the 'eager' backend on CUDA instead of the fused Triton kernels") == 1
+    assert "key-padding" in captured.out and "about 0 MiB" in captured.out
     with CaptureLogger(logger) as captured:  # the kernels run it: nothing to say
         assert dispatch.choose_backend("auto", q, q, q, p=(1.5,) * 3, platform=HOPPER).name == "triton"
     assert captured.out == ""
+
+
+def test_the_fallback_on_cuda_is_eager_while_its_weights_fit_a_share_of_the_gpu():
+    """Where the kernels refuse an input, eager (measured faster on a GPU) runs while its (B, H, Nq, Nk) peak takes at
+    most EAGER_MAX_MEMORY_SHARE_CUDA of the GPU's memory, and tiled (O(N) memory) above, each saying so."""
+    budget = HOPPER.memory * dispatch.EAGER_MAX_MEMORY_SHARE_CUDA / dispatch.EAGER_PEAK_BYTES_PER_SCORE
+    fits = int(budget**0.5) // 8  # B = H = 1, (8 * fits)^2 scores: within the share; twice as long: over it
+    for length, expected in ((8 * fits, "eager"), (16 * fits, "tiled")):
+        q = torch.empty(1, 1, length, 64, device="meta")
+        mask = torch.empty(1, 1, length, length, dtype=torch.bool, device="meta")  # a general mask: no kernel takes it
+        with CaptureLogger(dispatch.logger) as captured:
+            chosen = dispatch.choose_backend("auto", q, q, q, p=(1.5,), attn_mask=mask, platform=HOPPER)
+        assert chosen.name == expected
+        assert f"runs the '{expected}' backend on CUDA instead" in captured.out
+        assert ("MiB" if expected == "eager" else "O(N) memory") in captured.out
 
 
 def exporting_as_dynamo_before_2_13():
