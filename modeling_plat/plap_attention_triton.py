@@ -57,7 +57,7 @@ from .triton_configs import (
     padded_head_size,
 )  # fmt: skip
 from .triton_forward import plap_forward_kernel
-from .triton_launcher import TRITON_VERSION, BoundLaunches, run_launch, traced_launch
+from .triton_launcher import TRITON_VERSION, BoundLaunches, PlanKey, run_launch, traced_launch
 from .triton_tiles import EXACT_ALONE, EXACT_PASS, FIRST_PASS, INTERPRETED, POWER_CLASSES, triton
 
 # Oldest Triton whose compiled kernels are checked (tests/attention/test_triton_compile.py with PLAT_AOT_TRITON; older
@@ -143,12 +143,15 @@ def _key_padding_shape(attn_mask):
 
 class Launch(NamedTuple):
     """One kernel launch: ``kernel[grid](*args, **meta)``. Built by the same functions for a real launch
-    and for tests that compile the kernels ahead of time."""
+    and for tests that compile the kernels ahead of time. ``args`` are ``tensors`` tensors, then the scalars of
+    ``plan`` (``_launch_plan``), which holds everything of the launch but its tensors."""
 
     kernel: object
     grid: tuple
     args: tuple
     meta: dict
+    tensors: int = 0
+    plan: PlanKey | None = None
 
 
 # Calls of at most this many (query, key) pairs, batch and heads included, run each kernel's exact pass alone over
@@ -191,12 +194,13 @@ def _slab_blocks(kernel, config, num_queries, num_keys):
 @functools.lru_cache(maxsize=1024)
 def _launch_plan(kernel, config, shape, p, is_causal, window, has_key_mask, has_documents, euler, eps, exact_only,
                  flag_block):  # fmt: skip
-    """(grid, scalar arguments, meta) of each launch of ``kernel`` (``launch_groups``), its first pass then its exact
-    pass (or that alone): what the shapes settle, computed once per shape. ``shape`` is (B, H, Nq, Nk, d, dv), ``window``
+    """(grid, scalar arguments, meta, PlanKey) of each launch of ``kernel`` (``launch_groups``), its first pass then its
+    exact pass (or that alone): what the shapes settle, computed once per shape (no key for symbolic sizes). ``shape`` is (B, H, Nq, Nk, d, dv), ``window``
     the sliding window's size (0: none); a backward kernel's ``flag_block`` is the size of the forward's blocks (dq)
     or key tiles (dk/dv) that its flags cover."""
     batch, heads, num_queries, num_keys, head_dim, value_dim = shape
     blocks = _slab_blocks(kernel, config, num_queries, num_keys)
+    keyed = all(type(size) is int for size in shape)
     plan = []
     for first, end, value, head_mask in launch_groups(p):
         meta = dict(HEAD_DIM=head_dim, VALUE_DIM=value_dim, BLOCK_D=padded_head_size(head_dim),
@@ -210,12 +214,13 @@ def _launch_plan(kernel, config, shape, p, is_causal, window, has_key_mask, has_
                  (value - 2) / 2, head_mask, eps)  # fmt: skip
         grid = (blocks * batch * (end - first),)
         if exact_only:
-            plan.append((grid, sizes, dict(meta, PASS=int(EXACT_ALONE))))
-            continue
-        first_pass = dict(meta, PASS=int(FIRST_PASS))
-        if config.max_registers and not (has_key_mask or has_documents):
-            first_pass["maxnreg"] = config.max_registers
-        plan += [(grid, sizes, first_pass), (grid, sizes, dict(meta, PASS=int(EXACT_PASS)))]
+            passes = [dict(meta, PASS=int(EXACT_ALONE))]
+        else:
+            passes = [dict(meta, PASS=int(FIRST_PASS)), dict(meta, PASS=int(EXACT_PASS))]
+            if config.max_registers and not (has_key_mask or has_documents):
+                passes[0]["maxnreg"] = config.max_registers
+        plan += [(grid, sizes, one, PlanKey((kernel, grid, sizes, tuple(one.items()))) if keyed else None)
+                 for one in passes]  # fmt: skip
     return tuple(plan)
 
 
@@ -226,7 +231,8 @@ def _launches(kernel, config, query, key, value, tensors, p, is_causal, window, 
     flags = (tuple(p), is_causal, window, has_key_mask, has_documents, euler, eps, exact_only, flag_block)
     # Symbolic sizes (torch.compile with dynamic shapes) are not hashable: no cache then.
     plan = _launch_plan if all(type(size) is int for size in shape) else _launch_plan.__wrapped__
-    return [Launch(kernel, grid, (*tensors, *sizes), meta) for grid, sizes, meta in plan(kernel, config, shape, *flags)]
+    return [Launch(kernel, grid, (*tensors, *sizes), meta, len(tensors), key)
+            for grid, sizes, meta, key in plan(kernel, config, shape, *flags)]  # fmt: skip
 
 
 def _masks(sq_norms, key_keep, documents):

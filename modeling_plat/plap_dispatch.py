@@ -64,16 +64,15 @@ def device_platform(device_type, device_index):
     """The ``Platform`` of a device, e.g. ``device_platform(query.device.type, query.device.index)``."""
     capability, memory = None, None
     if device_type == "cuda":
-        capability, memory = _cuda_device(torch.cuda.current_device() if device_index is None else device_index)
+        capability, memory = torch.cuda.get_device_capability(device_index), _cuda_memory(device_index)
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     return Platform(device_type, capability, torch.get_num_threads(), interpreted, memory)
 
 
 @functools.lru_cache(maxsize=None)
-def _cuda_device(index):
-    """(compute capability, total memory in bytes) of a CUDA device, fixed for the process: asked once."""
-    properties = torch.cuda.get_device_properties(index)
-    return (properties.major, properties.minor), properties.total_memory
+def _cuda_memory(device_index):
+    """The total memory in bytes of a CUDA device, fixed for the process: asked once."""
+    return torch.cuda.get_device_properties(device_index).total_memory
 
 
 class Backend:

@@ -4,10 +4,10 @@ Triton's own launch, ``kernel[grid](*args, **meta)``, binds the arguments to the
 (alignment, integers equal to 1 or divisible by 16), builds a cache key, checks the globals the kernel reads and
 calls the launch hooks, at every launch: 70-120 us of host time per launch on the H100 and H200 hosts measured here,
 which attention at small shapes waits for. ``BoundLaunches`` keeps each compiled kernel under a key that holds
-everything Triton specializes on, and more: the kernel, its constexprs and options, the device, and for each argument
-a tensor's dtype and whether its address is a multiple of 16 (Triton's only specialization of a pointer), any other
-argument's value. Equal keys thus mean equal specializations: a repeated launch calls the compiled kernel's launcher
-directly. The first launch of a key goes through Triton (which compiles or finds the kernel), and so does every launch
+everything Triton specializes on, and more: the launch's plan (the kernel, its grid, its constexprs and options and
+the values of its other non-tensor arguments, ``PlanKey``), the device, and for each tensor argument its dtype and
+whether its address is a multiple of 16 (Triton's only specialization of a pointer). Equal keys thus mean equal
+specializations: a repeated launch calls the compiled kernel's launcher directly. The first launch of a key goes through Triton (which compiles or finds the kernel), and so does every launch
 while a profiler's launch hooks are set, or on a Triton version whose launcher this module was not checked against.
 
 While torch.compile traces the fused ops, their launches go through ``torch.library.wrap_triton`` instead, so that
@@ -27,6 +27,22 @@ BOUND_LAUNCH_VERSIONS = ((3, 5), (3, 9))
 MAX_BOUND = 4096
 
 
+class PlanKey:
+    """What a launch's plan fixes, as a key hashed once: ``value`` is a tuple of the kernel, grid, scalar arguments
+    and meta items. A plan cached for a shape hands its key to every call, which a dict then finds by identity."""
+
+    __slots__ = ("value", "hash")
+
+    def __init__(self, value):
+        self.value, self.hash = value, hash(value)
+
+    def __hash__(self):
+        return self.hash
+
+    def __eq__(self, other):
+        return isinstance(other, PlanKey) and self.value == other.value
+
+
 class BoundLaunches:
     """Compiled kernels by everything Triton specializes their launches on (the module's docstring); ``__call__``
     launches one."""
@@ -38,21 +54,15 @@ class BoundLaunches:
                         and BOUND_LAUNCH_VERSIONS[0] <= TRITON_VERSION <= BOUND_LAUNCH_VERSIONS[1])  # fmt: skip
 
     def __call__(self, launch):
-        if not self.enabled or _hooks_set():
+        if not self.enabled or launch.plan is None or _hooks_set():
             launch.kernel[launch.grid](*launch.args, **launch.meta)
             return
         # Tensors pass as their addresses: the launcher then neither asks them nor the driver for their pointers.
-        args, specs = [], []
-        for arg in launch.args:
-            if isinstance(arg, torch.Tensor):
-                pointer = arg.data_ptr()
-                args.append(pointer)
-                specs.append((arg.dtype, pointer % 16 == 0))
-            else:
-                args.append(arg)
-                specs.append(arg)
+        tensors = launch.args[: launch.tensors]
+        pointers = [tensor.data_ptr() for tensor in tensors]
         device = torch.cuda.current_device()
-        key = (launch.kernel, tuple(launch.meta.items()), device, tuple(specs))
+        key = (launch.plan, device, tuple([tensor.dtype for tensor in tensors]),
+               tuple([pointer % 16 == 0 for pointer in pointers]))  # fmt: skip
         bound = self.compiled.get(key)
         if bound is None:
             compiled = launch.kernel[launch.grid](*launch.args, **launch.meta)
@@ -67,12 +77,15 @@ class BoundLaunches:
         grid = launch.grid
         compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
                      self.current_stream(device), compiled.function, compiled.packed_metadata, None, None, None,
-                     *args, *constexprs)  # fmt: skip
+                     *pointers, *launch.args[launch.tensors :], *constexprs)  # fmt: skip
+
+
+_RUNTIME_KNOBS = triton.knobs.runtime if triton is not None and hasattr(triton, "knobs") else None
 
 
 def _hooks_set():
     """Whether a profiler set Triton's launch hooks (chains of hooks from Triton 3.6, single functions before)."""
-    runtime = triton.knobs.runtime
+    runtime = _RUNTIME_KNOBS
     return any(hook is not None and getattr(hook, "calls", True)
                for hook in (runtime.launch_enter_hook, runtime.launch_exit_hook))  # fmt: skip
 

@@ -15,6 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from modeling_plat import plap_attention_triton as triton_module
 from modeling_plat import triton_configs
+from modeling_plat import plap_dispatch
 from modeling_plat.plap_dispatch import choose_backend, plap_attention
 from test_triton_compile import SAMPLE
 
@@ -31,6 +32,7 @@ def gpu(monkeypatch):
 
     def with_capability(capability):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+        monkeypatch.setattr(plap_dispatch, "_cuda_memory", lambda device_index: 80 * 2**30)
         return FakeTensorMode(allow_non_fake_inputs=True)
 
     return with_capability
@@ -78,8 +80,8 @@ def test_auto_picks_triton_only_where_compiled(gpu, capability):
             if choice == "triton":
                 config = triton_module.launch_config(dtype, q.shape[-1], v.shape[-1], capability)
                 assert (capability[0], str(dtype).removeprefix("torch."), config) in compiled
-            else:
-                assert choice == "tiled"
+            else:  # small inputs: eager, within its share of the GPU's memory
+                assert choice == "eager"
                 with pytest.raises(ValueError, match="backend 'triton' cannot run this input: " + reason[:20]):
                     choose(q, k, v, attn_mask, backend="triton")
     checked = capability in triton_configs.SHARED_MEMORY_LIMIT
@@ -90,23 +92,23 @@ def test_the_rule_on_named_cases(gpu):
     with gpu((9, 0)):
         assert choose(*cuda_inputs(dtype=torch.bfloat16, head_dim=128)) == "triton"
         assert choose(*cuda_inputs(dtype=torch.float16, head_dim=80, mask="padding")) == "triton"
-        assert choose(*cuda_inputs(head_dim=256)) == "tiled"  # its tiles do not fit
-        assert choose(*cuda_inputs(mask="full")) == "tiled"  # only key padding is fused
-        assert choose(*cuda_inputs(dtype=torch.float64)) == "tiled"
+        assert choose(*cuda_inputs(head_dim=256)) == "eager"  # its tiles do not fit
+        assert choose(*cuda_inputs(mask="full")) == "eager"  # only key padding is fused
+        assert choose(*cuda_inputs(dtype=torch.float64)) == "eager"
         q, k, v, mask = cuda_inputs(mask="padding")
-        assert choose(q, k, v, mask.cpu()) == "tiled"  # a mask left on the CPU
+        assert choose(q, k, v, mask.cpu()) == "eager"  # a mask left on the CPU
     with gpu((7, 5)):
-        assert choose(*cuda_inputs()) == "tiled"  # an architecture nothing was compiled for
+        assert choose(*cuda_inputs()) == "eager"  # an architecture nothing was compiled for
         with pytest.raises(ValueError, match="compute capability 7.5 is not one the kernels are checked for"):
             choose(*cuda_inputs(), backend="triton")
 
 
-def test_mismatched_dtypes_go_to_tiled(gpu):
+def test_mismatched_dtypes_leave_the_kernels(gpu):
     with gpu((8, 0)):
         q, k, v, _ = cuda_inputs(dtype=torch.bfloat16)
         v = v.float()  # a KV cache kept in another dtype
         assert "dtypes differ" in triton_module.triton_unsupported_reason(q, k, v, p=(1.5,))
-        assert choose(q, k, v, None) == "tiled"
+        assert choose(q, k, v, None) == "eager"
 
 
 def test_many_heads_and_large_tensors_are_fine(gpu):
@@ -122,14 +124,14 @@ def test_many_heads_and_large_tensors_are_fine(gpu):
         assert choose(projected, projected, projected, None) == "triton"
 
 
-def test_float16_with_large_p_goes_to_tiled(gpu):
-    """Above FLOAT16_MAX_P the weights can overflow float16 in the kernels' matmuls: auto takes tiled (float32
+def test_float16_with_large_p_leaves_the_kernels(gpu):
+    """Above FLOAT16_MAX_P the weights can overflow float16 in the kernels' matmuls: auto takes eager (float32
     inside); bfloat16, and float16 at the paper's p, stay on triton."""
     mix, large = torch.tensor([1.5, 1.5, 2.5, 2.5]), torch.tensor([1.5, 4.0, 2.0, 2.5])
     with gpu((9, 0)):
         q, k, v, _ = cuda_inputs(dtype=torch.float16)
         assert choose(q, k, v, None, p=mix) == "triton"
-        assert choose(q, k, v, None, p=large) == "tiled"
+        assert choose(q, k, v, None, p=large) == "eager"
         with pytest.raises(ValueError, match="float16 with p = 4: above p = 3 .*use bfloat16"):
             choose(q, k, v, None, "triton", p=large)
         q, k, v, _ = cuda_inputs(dtype=torch.bfloat16)
@@ -152,11 +154,11 @@ def test_the_float16_limit_on_p_is_real():
         plap_attention(q, q, v, p, backend="triton")
 
 
-def test_old_triton_goes_to_tiled(gpu, monkeypatch):
+def test_old_triton_leaves_the_kernels(gpu, monkeypatch):
     monkeypatch.setattr(triton_module, "TRITON_VERSION", (3, 4))
     with gpu((9, 0)):
         q, k, v, _ = cuda_inputs()
-        assert choose(q, k, v, None) == "tiled"
+        assert choose(q, k, v, None) == "eager"
         with pytest.raises(ValueError, match=r"triton \S+ is older than 3\.5"):
             choose(q, k, v, None, backend="triton")
 
