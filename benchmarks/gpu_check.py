@@ -1035,8 +1035,11 @@ def launch_host_target(sections):
 
 # (name, the sections it needs, judge(sections) -> (value, passed: True / False / None when not measured))
 TARGETS = [
-    ("llama-125m training step <= 1.3 x LlamaForCausalLM (SDPA), bf16 autocast", ("train",),
-     lambda s: ratio_target(s, "train", dict(name="plat-llama-125m"), lambda row: row["ratio"], 1.3)),
+    *[(f"{name} training step <= {limit} x {twin} (SDPA), bf16 autocast", ("train",),
+       functools.partial(ratio_target, section="train", fields=dict(name=f"plat-{name}"),
+                         value_of=lambda row: row["ratio"], limit=limit))
+      for name, twin, limit in (("deit-tiny", "ViTForImageClassification", 1.2), ("lm", "GPT2LMHeadModel", 1.15),
+                                ("llama-125m", "LlamaForCausalLM", 1.3))],
     ("paper-lm attention forward + backward <= 2.5 x SDPA (default backend)", ("attention",),
      lambda s: ratio_target(s, "attention", dict(name="paper-lm"), lambda row: row["ratio_to_sdpa"]["fwd_bwd"], 2.5)),
     *[(f"{name} attention {'forward' if part == 'fwd' else 'forward + backward'} <= {limit} x SDPA (default backend)",

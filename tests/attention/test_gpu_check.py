@@ -328,7 +328,9 @@ def test_targets_and_failures():
     fused = {"triton": 8}
     sections = dict(
         attention=section(dict(name="paper-lm", plat=dict(backends=fused), ratio_to_sdpa=dict(fwd=3.0, fwd_bwd=2.4))),
-        train=section(dict(name="plat-llama-125m", ratio=1.4, backends=fused),
+        train=section(dict(name="plat-deit-tiny", ratio=1.1, backends=fused),
+                      dict(name="plat-lm", ratio=1.3, backends=fused),
+                      dict(name="plat-llama-125m", ratio=1.4, backends=fused),
                       dict(name="llama-125m-sdpa", ratio=1.0, backends={})),
         compile=section(*[dict(name=f"{preset}/{kind}", kind=kind, graph_breaks=0, backends=fused)
                           for preset in gpu_check.COMPILE_PRESETS for kind in ("train-step", "generate")],
@@ -344,15 +346,17 @@ def test_targets_and_failures():
                                                   sdpa=dict(fwd_bwd_peak_mib=peaks[1]),
                                                   ratio_to_sdpa=dict(fwd=ratios[0], fwd_bwd=ratios[1])))  # fmt: skip
     targets = gpu_check.judge_targets(sections, ["attention", "train", "compile", "decode"])
-    assert [target["passed"] for target in targets] == [False, True, True, False, True, True, False, True, True,
-                                                        False, False]  # fmt: skip
-    assert targets[0]["line"].startswith("FAIL llama-125m training step <= 1.3") and targets[0]["value"] == 1.4
-    assert targets[2]["line"] == "PASS 4k attention forward <= 2.0 x SDPA (default backend): 1.9"
-    assert targets[6]["value"] == {"4k": 1.01, "4k-d128": 1.056, "16k": 1.34}
-    assert "gpt2/plat-gpt2/batch1" in targets[10]["value"]
+    assert [target["passed"] for target in targets] == [True, False, False, True, True, False, True, True, False,
+                                                        True, True, False, False]  # fmt: skip
+    assert targets[0]["line"] == ("PASS deit-tiny training step <= 1.2 x ViTForImageClassification (SDPA), bf16 "
+                                  "autocast: 1.1")
+    assert targets[2]["line"].startswith("FAIL llama-125m training step <= 1.3") and targets[2]["value"] == 1.4
+    assert targets[4]["line"] == "PASS 4k attention forward <= 2.0 x SDPA (default backend): 1.9"
+    assert targets[8]["value"] == {"4k": 1.01, "4k-d128": 1.056, "16k": 1.34}
+    assert "gpt2/plat-gpt2/batch1" in targets[12]["value"]
     failures = gpu_check.collect_failures(sections, targets)
     assert failures[0] == "compile plat-ptb-tiny/train-step-cuda-graphs: RuntimeError: x"
-    assert len(failures) == 1 + 5
+    assert len(failures) == 1 + 6
     # Peak memory is judged only when every shape measured it.
     del sections["attention"]["rows"][-1]["sdpa"]
     assert gpu_check.peak_memory_target(sections) == ({"4k": 1.01, "4k-d128": 1.056}, None)
