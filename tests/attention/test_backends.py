@@ -288,6 +288,19 @@ def test_triton_half_precision(dtype, formulation):
 
 @needs_triton
 @pytest.mark.parametrize("formulation", ["paper", "euler"])
+@pytest.mark.parametrize("dtype", TRITON_DTYPES)
+@pytest.mark.parametrize("shape", [(1, 2, 21, 37, 160, 160), (1, 2, 21, 37, 256, 256), (1, 2, 21, 37, 96, 160)],
+                         ids=str)  # fmt: skip
+def test_triton_largest_head_sizes(shape, dtype, formulation):
+    """Head sizes of the largest bucket (256; 160 and a value size of 160 pad to it), with repeated tokens: values
+    equal to another key's, whose zero distances take the exact pass."""
+    inputs, p = make_inputs(*shape, dtype, duplicates=True)
+    check(triton_small_blocks, inputs, p, dtype, attn_mask=make_mask("padding", *shape[:4]), is_causal=True,
+          formulation=formulation)  # fmt: skip
+
+
+@needs_triton
+@pytest.mark.parametrize("formulation", ["paper", "euler"])
 def test_triton_default_blocks_through_dispatcher(formulation):
     inputs, p = make_inputs(2, 3, 70, 70, 16, 16, torch.float32)
     run = lambda *a, **kw: plap_attention(*a, **kw, backend="triton")  # noqa: E731
@@ -310,10 +323,14 @@ def test_triton_awkward_shapes(shape, formulation):
 @pytest.mark.parametrize("mask", [None, "padding"])
 @pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shape", [(2, 5, 200, 200, 64, 64), (2, 5, 77, 200, 64, 64)], ids=str)
+@pytest.mark.parametrize("shape", [(2, 5, 200, 200, 64, 64), (2, 5, 77, 200, 64, 64), (2, 3, 150, 150, 160, 160),
+                                   (1, 3, 77, 200, 256, 256)], ids=str)  # fmt: skip
 def test_triton_compiled_for_this_gpu(shape, dtype, is_causal, mask, formulation):
     """The kernels as models run them on a GPU: compiled, with this GPU's launch configuration (not the small test
-    blocks), bfloat16 on tensor cores, over lengths that span several tiles and end in partial ones."""
+    blocks), bfloat16 on tensor cores, over lengths that span several tiles and end in partial ones; head sizes 160
+    and 256 in the largest bucket."""
+    if triton_module.launch_config(dtype, shape[4], shape[5], torch.cuda.get_device_capability(DEVICE)) is None:
+        pytest.skip(f"no {dtype} configuration at head size {shape[4]}")  # float32 above 64
     inputs, p = make_inputs(*shape, dtype)
     run = lambda *a, **kw: plap_attention(*a, **kw, backend="triton")  # noqa: E731
     check(run, inputs, p, dtype, attn_mask=make_mask(mask, *shape[:4]), is_causal=is_causal, formulation=formulation)

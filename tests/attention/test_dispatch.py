@@ -13,6 +13,7 @@ from tiny import TEXT_SHAPES, classifier, lm
 from transformers.testing_utils import CaptureLogger
 
 from modeling_plat import plap_attention_triton as triton_module
+from modeling_plat import triton_configs
 from modeling_plat.plap_dispatch import Platform
 
 # An H100 as the dispatcher sees it (compute capability 9.0).
@@ -101,6 +102,29 @@ def test_the_fallback_on_cuda_is_eager_while_its_weights_fit_a_share_of_the_gpu(
         assert chosen.name == expected
         assert f"runs the '{expected}' backend on CUDA instead" in captured.out
         assert ("MiB" if expected == "eager" else "O(N) memory") in captured.out
+
+
+@needs_triton
+@pytest.mark.skipif(ON_CUDA, reason="simulates a GPU of an unknown compute capability on the CPU")
+def test_an_unknown_gpu_runs_the_conservative_tiles_and_says_so_once(monkeypatch):
+    """A compute capability the tables do not know (11.9 here) runs the fused kernels with the conservative tiles, and
+    says so once, in eager mode and while torch.compile traces (fullgraph: the log is no graph break)."""
+    unknown = Platform("cuda", (11, 9), threads=torch.get_num_threads(), triton_interpreted=False)
+    monkeypatch.setattr(dispatch, "device_platform", lambda device_type, device_index: unknown)
+    names = record_chosen_backends(monkeypatch)
+    q = torch.randn(2, 3, 20, 16, generator=torch.Generator().manual_seed(0))
+
+    def attend(q):
+        return dispatch.plap_attention(q, q, q, (1.5, 2.5, 1.5), is_causal=True)
+
+    with CaptureLogger(triton_configs.logger) as captured:
+        eager = attend(q)
+        torch._dynamo.reset()
+        compiled = torch.compile(attend, backend="aot_eager", fullgraph=True)(q)
+    assert set(names) == {"triton"} and len(names) >= 2
+    torch.testing.assert_close(compiled, eager)
+    assert captured.out.count("compute capability 11.9 is not one the fused Triton kernels are checked for") == 1
+    assert "runs the tiles of compute capability 8.x" in captured.out
 
 
 def exporting_as_dynamo_before_2_13():

@@ -4,19 +4,22 @@ The Triton interpreter that runs the kernels in the other tests accepts code a G
 module-level Python float read inside a kernel, for one) and knows nothing of shared memory or registers.
 Here the forward, dK/dV and dQ kernels (each a first pass and an exact pass) are compiled ahead of time
 (tools/kernels/triton_aot.py: triton.compile for GPUTarget("cuda", arch, 32) and the ptxas of Triton's wheel) for
-sm_80 (A100, and the configurations that the other 8.x GPUs share) and sm_90 (H100/H200), for the dtypes and head
-sizes that ``triton_unsupported_reason`` admits there. Each must compile and its shared memory must fit the smallest
-limit among the GPUs that use its configuration (the sample also spills at most 4 KB per thread); registers and
-spills are printed. Triton's cache points at a new directory, so that nothing compiled before can hide a failure;
-the compilation starts with the first attention test (conftest.py).
+the architectures of the GPUs that run them (triton_configs.SHARED_MEMORY_LIMIT), for the dtypes and head sizes that
+``triton_unsupported_reason`` admits there. Each must compile and its shared memory must fit the smallest limit among
+the GPUs that run its table (triton_configs.FAMILY_TABLES: sm_120 runs the 8.x table within 99 KB; the sample also
+spills at most 4 KB per thread); registers and spills are printed. Triton's cache points at a new directory, so that
+nothing compiled before can hide a failure; the compilation starts with the first attention test (conftest.py).
 
-By default a sample (``SAMPLE``, 114 kernel passes): on sm_80 and sm_90 every padded head size each dtype is admitted at,
-every kernel and pass of each dtype, each side of every branch (causal, a sliding window, key padding, packed
+By default a sample (``SAMPLE``, 180 kernel passes): on sm_80 and sm_90 every padded head size each dtype is admitted
+at, every kernel and pass of each dtype, each side of every branch (causal, a sliding window, key padding, packed
 documents, euler, the power's three classes, lengths that are not multiples of 16, Nq < Nk, a value size of its own)
-and the configuration that failed on an H200. ``-m kernels`` compiles the full matrix
-(``FULL_MATRIX``, about 4,000 kernels, one child process per core): every head size with every branch on sm_80,
-sm_86, sm_89 and sm_90, and at head sizes 64 and 128 every combination of the flags (causal ones with and without a
-sliding window) with each p set.
+and the configuration that failed on an H200; on sm_100 (its own table) the first passes at every padded head size of
+each dtype and every pass at head size 256; on sm_120 every pass at head size 256 and a few first passes.
+``-m kernels`` compiles the full matrix (``FULL_MATRIX``, about 8,600 kernels, one child process per core): every
+head size from 16 to 256 with every branch on sm_80, sm_86, sm_87, sm_89, sm_90, sm_100, sm_103, sm_120 and sm_121;
+at head sizes 64 and 128 on sm_80 and sm_90 every combination of the flags (causal ones with and without a sliding
+window) with each p set; at head size 256 on sm_80, sm_90, sm_100 and sm_120, and at 64 and 128 on sm_100 and sm_120,
+each flag alone, none and all, with each power class.
 ``PLAT_AOT_TRITON=<folder>`` compiles with the Triton installed in that folder instead of this machine's
 (tools/kernels/README.md).
 """
@@ -33,7 +36,9 @@ from triton_aot import KERNELS, case_id, case_kernels, case_p
 pytestmark = pytest.mark.skipif(triton_module.triton is None, reason="triton is not installed")
 
 DTYPES = ("bfloat16", "float16", "float32")
-SAMPLE_ARCHS = (80, 90)
+SAMPLE_ARCHS = (80, 90)  # every property of the sample below on each; sm_100 and sm_120: blackwell_cases
+# Every architecture whose GPUs run the kernels (triton_configs.SHARED_MEMORY_LIMIT), in the full matrix.
+MATRIX_ARCHS = (80, 86, 87, 89, 90, 100, 103, 120, 121)
 FIRST_PASSES = ("fwd", "dkdv", "dq")
 FLAGS = ("is_causal", "key_mask", "euler", "documents")
 ALL_ON, ALL_OFF = dict.fromkeys(FLAGS, True), dict.fromkeys(FLAGS, False)
@@ -45,10 +50,12 @@ UNEVEN = (197, 250)  # Nq < Nk, neither a multiple of 16
 
 
 def shared_memory_limit(arch):
-    """The smallest opt-in shared memory among the GPUs that launch what is compiled for sm_<arch>: the 8.x
-    GPUs share one configuration table (sm_86 and sm_89 have 99 KB, sm_80 163 KB)."""
-    family = [cap for cap in triton_configs.SHARED_MEMORY_LIMIT if cap[0] == arch // 10]
-    return min(triton_configs.SHARED_MEMORY_LIMIT[cap] for cap in family)
+    """The smallest opt-in shared memory among the GPUs that launch the table compiled for sm_<arch>
+    (triton_configs.FAMILY_TABLES): the 8.x and 12.x GPUs share one (sm_86, sm_89, sm_120 and sm_121 have 99 KB,
+    sm_80 163 KB)."""
+    table = triton_configs.config_table((arch // 10, arch % 10))
+    return min(limit for capability, limit in triton_configs.SHARED_MEMORY_LIMIT.items()
+               if triton_configs.config_table(capability) == table)  # fmt: skip
 
 
 def admitted(case):
@@ -91,24 +98,49 @@ def sample_cases(arch):
         make_case(arch, "float16", 80, kernels=FIRST_PASSES),
         make_case(arch, "float32", 16, kernels=FIRST_PASSES),
         make_case(arch, "float32", 24, kernels=FIRST_PASSES),
+        # Head size 256 (every branch), and a value size that alone pads to it.
+        make_case(arch, "bfloat16", 256, kernels=FIRST_PASSES),
+        make_case(arch, "float16", 128, 160, flags=ALL_OFF, lengths=UNEVEN, kernels=FIRST_PASSES),
     ]
 
 
-SAMPLE = [case for arch in SAMPLE_ARCHS for case in sample_cases(arch)]
+def blackwell_cases():
+    """sm_100 runs a table of its own: its first passes at every padded head size of each dtype, and every pass at head
+    size 256 under every branch. sm_120 runs the 8.x table, compiled for its own instructions: the passes that hold the
+    most (head size 256, every branch) and each dtype's largest bucket."""
+    every_bucket = [(dtype, d) for dtype in ("bfloat16", "float16") for d in (16, 32, 64, 128)] + [
+        ("float16", 256), ("float32", 16), ("float32", 32), ("float32", 64)]  # fmt: skip
+    return [
+        make_case(100, "bfloat16", 256, flags=dict(ALL_ON, euler=False), window=100),
+        *(make_case(100, dtype, d, flags=ALL_OFF, lengths=UNEVEN, kernels=FIRST_PASSES) for dtype, d in every_bucket),
+        make_case(120, "bfloat16", 256, p=OTHER_MIX),
+        make_case(120, "float16", 128, flags=CAUSAL, kernels=FIRST_PASSES),
+        make_case(120, "float32", 64, kernels=FIRST_PASSES),
+    ]
+
+
+SAMPLE = [case for arch in SAMPLE_ARCHS for case in sample_cases(arch)] + blackwell_cases()
 
 
 def full_matrix():
-    head_sizes = [(d, d) for d in (16, 24, 32, 48, 64, 80, 96, 128)] + [(16, 24), (64, 80), (128, 64)]
+    head_sizes = [(d, d) for d in (16, 24, 32, 48, 64, 80, 96, 128, 160, 192, 256)] + [(16, 24), (64, 80), (128, 64),
+                                                                                         (128, 160), (256, 96)]  # fmt: skip
     flag_sets = [dict(zip(FLAGS, values)) for values in itertools.product((False, True), repeat=len(FLAGS))]
     every_size = [make_case(arch, dtype, d, dv, lengths=UNEVEN)
-                  for arch, dtype, (d, dv) in itertools.product((80, 86, 89, 90), DTYPES, head_sizes)]  # fmt: skip
+                  for arch, dtype, (d, dv) in itertools.product(MATRIX_ARCHS, DTYPES, head_sizes)]  # fmt: skip
     every_branch = [make_case(arch, dtype, d, flags=flags, p=p, lengths=UNEVEN, window=window)
                     for arch, dtype, d, flags, p, window in itertools.product(
                         SAMPLE_ARCHS, DTYPES, (64, 128), flag_sets, (1.5, PAPER_MIX, OTHER_MIX), (0, 100))
                     if flags["is_causal"] or not window]  # fmt: skip
+    # Head size 256 everywhere, and the Blackwell architectures: each branch alone, none and all, each p class.
+    each_flag = [ALL_OFF, ALL_ON] + [dict(ALL_OFF, **{flag: True}) for flag in FLAGS]
+    each_branch = [make_case(arch, dtype, d, flags=flags, p=p, lengths=UNEVEN, window=window)
+                   for arch, dtype, d, flags, p, window in itertools.product(
+                       (80, 90, 100, 120), DTYPES, (64, 128, 256), each_flag, (PAPER_MIX, OTHER_MIX), (0, 100))
+                   if (flags["is_causal"] or not window) and (d == 256 or arch >= 100)]  # fmt: skip
     every_branch_8x = [make_case(arch, dtype, 64, flags=flags, lengths=UNEVEN)
                        for arch, dtype, flags in itertools.product((86, 89), DTYPES, flag_sets)]  # fmt: skip
-    unique = {case_id(case): case for case in every_size + every_branch + every_branch_8x if admitted(case)}
+    unique = {case_id(case): case for case in every_size + every_branch + each_branch + every_branch_8x if admitted(case)}
     return list(unique.values())
 
 

@@ -2,8 +2,8 @@
 
 CUDA inputs are FakeTensors (shape, dtype, strides, device, no memory); the GPU's compute capability and the
 Triton version are patched. ``auto`` picks ``triton`` exactly where ``triton_unsupported_reason`` finds no
-limit broken, and then only with a launch configuration that tests/attention/test_triton_compile.py compiles for that
-GPU generation and dtype; an explicit ``backend="triton"`` raises the reason instead.
+limit broken, and then only with a launch configuration that tests/attention/test_triton_compile.py compiles for the
+table that GPU runs and that dtype; an explicit ``backend="triton"`` raises the reason instead.
 """
 
 import itertools
@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
+from transformers.testing_utils import CaptureLogger
 
 from modeling_plat import plap_attention_triton as triton_module
 from modeling_plat import triton_configs
@@ -21,9 +22,12 @@ from test_triton_compile import SAMPLE
 
 pytestmark = pytest.mark.skipif(triton_module.triton is None, reason="triton is not installed")
 
-CAPABILITIES = [(7, 0), (7, 5), (8, 0), (8, 6), (8, 7), (8, 9), (9, 0), (10, 0), (12, 0)]
+# Checked compute capabilities, and below 8.0 and unknown ones (11.0, 13.0, a future 10.x) that run the conservative
+# table.
+CAPABILITIES = [(7, 0), (7, 5), (8, 0), (8, 6), (8, 7), (8, 9), (9, 0), (10, 0), (10, 3), (10, 7), (11, 0), (12, 0),
+                (12, 1), (13, 0)]  # fmt: skip
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
-HEAD_DIMS = [8, 16, 40, 64, 80, 96, 128, 160, 256]
+HEAD_DIMS = [8, 16, 40, 64, 80, 96, 128, 160, 256, 320]
 
 
 @pytest.fixture
@@ -51,13 +55,14 @@ def cuda_inputs(batch=2, heads=4, nq=128, nk=128, head_dim=64, value_dim=None, d
 
 
 def compiled_configurations():
-    """(GPU generation, dtype, LaunchConfig) of every configuration the compile test's sample compiles."""
-    return {
-        (case["arch"] // 10, case["dtype"],
-         triton_module.launch_config(getattr(torch, case["dtype"]), case["head_dim"], case["value_dim"],
-                                     (case["arch"] // 10, case["arch"] % 10)))
-        for case in SAMPLE
-    }  # fmt: skip
+    """(table, dtype, LaunchConfig) of every configuration the compile test's sample compiles."""
+    compiled = set()
+    for case in SAMPLE:
+        capability = (case["arch"] // 10, case["arch"] % 10)
+        config = triton_module.launch_config(getattr(torch, case["dtype"]), case["head_dim"], case["value_dim"],
+                                             capability)  # fmt: skip
+        compiled.add((triton_configs.config_table(capability), case["dtype"], config))
+    return compiled
 
 
 def choose(q, k, v, mask, backend="auto", p=None):
@@ -79,28 +84,51 @@ def test_auto_picks_triton_only_where_compiled(gpu, capability):
             assert (choice == "triton") == (reason is None), (dtype, head_dim, mask, reason)
             if choice == "triton":
                 config = triton_module.launch_config(dtype, q.shape[-1], v.shape[-1], capability)
-                assert (capability[0], str(dtype).removeprefix("torch."), config) in compiled
+                table = triton_configs.config_table(capability)
+                assert (table, str(dtype).removeprefix("torch."), config) in compiled
             else:  # small inputs: eager, within its share of the GPU's memory
                 assert choice == "eager"
                 with pytest.raises(ValueError, match="backend 'triton' cannot run this input: " + reason[:20]):
                     choose(q, k, v, attn_mask, backend="triton")
-    checked = capability in triton_configs.SHARED_MEMORY_LIMIT
-    assert ("triton" in choices) == checked
+    assert ("triton" in choices) == (capability >= (8, 0))
 
 
 def test_the_rule_on_named_cases(gpu):
     with gpu((9, 0)):
         assert choose(*cuda_inputs(dtype=torch.bfloat16, head_dim=128)) == "triton"
         assert choose(*cuda_inputs(dtype=torch.float16, head_dim=80, mask="padding")) == "triton"
-        assert choose(*cuda_inputs(head_dim=256)) == "eager"  # its tiles do not fit
+        assert choose(*cuda_inputs(dtype=torch.float16, head_dim=160)) == "triton"
+        assert choose(*cuda_inputs(head_dim=256)) == "triton"
+        assert choose(*cuda_inputs(head_dim=320)) == "eager"  # no tiles above head size 256
+        assert choose(*cuda_inputs(dtype=torch.float32, head_dim=128)) == "eager"  # float32 stops at 64
         assert choose(*cuda_inputs(mask="full")) == "eager"  # only key padding is fused
         assert choose(*cuda_inputs(dtype=torch.float64)) == "eager"
         q, k, v, mask = cuda_inputs(mask="padding")
         assert choose(q, k, v, mask.cpu()) == "eager"  # a mask left on the CPU
     with gpu((7, 5)):
-        assert choose(*cuda_inputs()) == "eager"  # an architecture nothing was compiled for
-        with pytest.raises(ValueError, match="compute capability 7.5 is not one the kernels are checked for"):
+        assert choose(*cuda_inputs()) == "eager"  # no bfloat16 tensor cores
+        with pytest.raises(ValueError, match="compute capability 7.5 is below 8.0: the kernels' matmuls take bfloat16"):
             choose(*cuda_inputs(), backend="triton")
+
+
+def test_each_gpu_runs_its_familys_table_and_unknown_ones_the_conservative_one():
+    """12.x runs the 8.x tiles (mma.sync, 99 KB), 10.x its own; a compute capability the tables do not know, from 8.0
+    on, runs the table sized for the least shared memory, and is told so once."""
+    limits = triton_configs.SHARED_MEMORY_LIMIT
+    for capability in limits:
+        assert triton_configs.config_table(capability) == {12: 8}.get(capability[0], capability[0])
+    conservative = triton_configs.CONFIGS[triton_configs.CONSERVATIVE_TABLE, "half"]
+    users = [limit for capability, limit in limits.items()
+             if triton_configs.config_table(capability) == triton_configs.CONSERVATIVE_TABLE]  # fmt: skip
+    assert min(users) == min(limits.values())  # sized for the least shared memory
+    with CaptureLogger(triton_configs.logger) as captured:
+        for _ in range(3):
+            assert triton_configs.launch_config(torch.bfloat16, 128, 128, (11, 4)) == conservative[128]
+            assert triton_configs.capability_reason((11, 4), torch.bfloat16, 128, 128) is None
+        assert triton_configs.launch_config(torch.bfloat16, 128, 128, (10, 0)) == triton_configs.CONFIGS[10, "half"][128]
+    assert captured.out.count("compute capability 11.4 is not one the fused Triton kernels are checked for") == 1
+    assert "runs the tiles of compute capability 8.x" in captured.out
+    assert triton_configs.launch_config(torch.bfloat16, 64, 64, (7, 5)) is None
 
 
 def test_mismatched_dtypes_leave_the_kernels(gpu):

@@ -57,6 +57,8 @@ CONVERSIONS = {"F2F", "F2FP", "I2F", "F2I", "I2FP", "F2IP", "FRND"}
 SHARED_OPS = {"LDS", "STS", "LDSM", "STSM", "LDGSTS"}
 PAPER_MIX = (1.5, 2.5)
 KERNEL_ORDER = ("fwd", "dkdv", "dq", "baseline")
+# A branch's target, after the uniform predicate that sm_100 and sm_120 code names as an operand (BRA.U UP0, 0x...).
+BRANCH_TARGET = re.compile(r"\s*(?:!?U?P\w+,\s*)?(?:`\()?(0x[0-9a-f]+)")
 INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)([.\w]*)\s*([^;]*);")
 
 
@@ -75,16 +77,21 @@ def disassemble(cubin):
     return [(int(m[1], 16), m[3], m[4], m[5]) for m in INSTRUCTION.finditer(sass.stdout)]
 
 
+def is_matmul(opcode):
+    """Tensor-core instructions: mma.sync (HMMA), wgmma (HGMMA) and sm_100's tcgen05 (UTCHMMA and kin)."""
+    return opcode in ("HGMMA", "HMMA") or (opcode.startswith("UTC") and opcode.endswith("MMA"))
+
+
 def main_loop(instructions):
     """The instructions of the main loop: the shortest range from a backward branch's target to the branch that
     holds a matmul. Kernels may split their loop in two, tiles that need masks (diagonal, padding, the last
     partial tile) and plain tiles, the many; the plain loop is the shorter."""
     loops = []
     for address, opcode, _, operands in instructions:
-        target = re.match(r"\s*(?:`\()?(0x[0-9a-f]+)", operands)
+        target = BRANCH_TARGET.match(operands)
         if opcode == "BRA" and target and int(target.group(1), 16) < address:
             body = [ins for ins in instructions if int(target.group(1), 16) <= ins[0] <= address]
-            if any(ins[1] in ("HGMMA", "HMMA") for ins in body):
+            if any(is_matmul(ins[1]) for ins in body):
                 loops.append(body)
     if not loops:
         raise ValueError("no loop with a matmul in the kernel")
@@ -98,7 +105,7 @@ def common_path(loop):
     end = loop[-1][0]
     skipped = (0, 0)
     for address, opcode, _, operands in loop:
-        target = re.match(r"\s*(?:`\()?(0x[0-9a-f]+)", operands)
+        target = BRANCH_TARGET.match(operands)
         if opcode == "BRA" and target and address < int(target.group(1), 16) <= end:
             skipped = max(skipped, (address, int(target.group(1), 16)), key=lambda span: span[1] - span[0])
     return [ins for ins in loop if not skipped[0] < ins[0] < skipped[1]]
@@ -178,10 +185,11 @@ def analyse(launch, arch):
         loop_spills=loop_spills,
         loop_spill_stores=sum(opcode == "STL" for _, opcode, _, _ in loop),
         loop_spill_share=loop_spills / len(loop),
-        **clocks_per_score(per_score, arch),
+        **(clocks_per_score(per_score, arch) if arch in THROUGHPUT else {}),  # rates known for sm_80 and sm_90 only
         **ptxas_usage(log),
         shared=compiled.metadata.shared,
-        mma_kind="wgmma" if "HGMMA" in opcodes else "mma.sync" if "HMMA" in opcodes else "none",
+        mma_kind=("wgmma" if "HGMMA" in opcodes else "mma.sync" if "HMMA" in opcodes
+                  else "tcgen05" if any(map(is_matmul, opcodes)) else "none"),  # fmt: skip
         warnings=sorted(set(re.findall(r"warning : .*?(C\d{4})", log))),
         config=dict(block_m=meta["BLOCK_M"], block_n=meta["BLOCK_N"], num_warps=meta["num_warps"],
                     num_stages=meta["num_stages"]),  # fmt: skip

@@ -175,15 +175,18 @@ def triton_version():
 
 
 def child_environment(cache_dir):
-    """The compile children's environment: no interpreter, a fresh cache, ptxas' log, and the Triton of
-    ``PLAT_AOT_TRITON`` first on the path where it names one."""
+    """The compile children's environment: no interpreter, a fresh cache, ptxas' log, this checkout's modeling_plat
+    (not an installed copy, such as an editable install of another worktree) and the Triton of ``PLAT_AOT_TRITON``
+    first on the path where it names one."""
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     env.update(TRITON_CACHE_DIR=str(cache_dir), TRITON_DUMP_PTXAS_LOG="1")
+    paths = [str(ROOT), env.get("PYTHONPATH")]
     folder = os.environ.get(TRITON_FOLDER_VARIABLE)
     if folder:
         if not (Path(folder) / "triton" / "__init__.py").is_file():  # else the installed Triton would answer
             raise FileNotFoundError(f"{TRITON_FOLDER_VARIABLE}={folder} holds no triton package")
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, (folder, env.get("PYTHONPATH"))))
+        paths.insert(0, folder)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, paths))
     return env
 
 
