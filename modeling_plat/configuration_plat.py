@@ -252,9 +252,6 @@ class PlatConfig(PlatConfigBase):
         self.vocab_size = vocab_size
         self.sliding_window = sliding_window
         self.max_position_embeddings = max_position_embeddings
-        self.position_embedding_type = position_embedding_type
-        # Read here and set after transformers' own init, whose rotary standardisation would give every config
-        # (learned positions included) a rope_parameters dict.
         rope_parameters = _rope_parameters(
             position_embedding_type, rope_parameters, kwargs.pop("rope_scaling", None), kwargs.pop("rope_theta", None),
             kwargs.pop("partial_rotary_factor", None),
@@ -262,28 +259,36 @@ class PlatConfig(PlatConfigBase):
         self.use_cache = use_cache
         self.tie_word_embeddings = tie_word_embeddings
         super().__init__(**kwargs)
-        self.rope_parameters = rope_parameters
-        self._check_rope()
+        # Set after transformers' own init, which would check rope_parameters itself (a KeyError for a missing
+        # field). Absent with learned positions, as on GPT2Config: transformers' rotary code and its model tests
+        # read hasattr(config, "rope_parameters") as "has rotary positions".
+        self.position_embedding_type = position_embedding_type
+        if rope_parameters is not None:
+            self.rope_parameters = rope_parameters
+        self._check_positions()
 
     def validate_plat(self):
         super().validate_plat()
         window = self.sliding_window
         if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
             raise ValueError(f"sliding_window must be an integer >= 1 or None; got {window!r}")
+        # Unset only while __init__ runs, which checks them at its end; set fields (--config_overrides) are checked here.
+        if "position_embedding_type" in vars(self):
+            self._check_positions()
+
+    def _check_positions(self):
+        """position_embedding_type, and rope_parameters in transformers 5's form, checked by transformers' own
+        validation of its rotary types."""
         if self.position_embedding_type not in POSITION_EMBEDDING_TYPES:
             raise ValueError(
                 f"position_embedding_type must be one of {POSITION_EMBEDDING_TYPES}; "
                 f"got {self.position_embedding_type!r}"
             )
-        # Unset only while __init__ runs, which checks it after; set fields (--config_overrides) are checked here.
-        if "rope_parameters" in vars(self):
-            self._check_rope()
-
-    def _check_rope(self):
-        """rope_parameters in transformers 5's form, checked by transformers' own validation of its rotary types."""
-        self.rope_parameters = _rope_parameters(self.position_embedding_type, self.rope_parameters, None, None, None)
-        if self.rope_parameters is None:
+        parameters = _rope_parameters(self.position_embedding_type, getattr(self, "rope_parameters", None), None, None,
+                                      None)  # fmt: skip
+        if parameters is None:
             return
+        self.rope_parameters = parameters
         rotary_dim = int(self.head_dim * self.rope_parameters.get("partial_rotary_factor", 1.0))
         if rotary_dim < 2 or rotary_dim % 2:
             raise ValueError(
