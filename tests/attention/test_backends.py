@@ -287,13 +287,13 @@ def test_triton_half_precision(dtype, formulation):
 
 
 @needs_triton
-@pytest.mark.parametrize("formulation", ["paper", "euler"])
-@pytest.mark.parametrize("dtype", TRITON_DTYPES)
+@pytest.mark.parametrize("dtype, formulation", [(TRITON_DTYPES[0], "paper"), (TRITON_DTYPES[-1], "euler")], ids=str)
 @pytest.mark.parametrize("shape", [(1, 2, 21, 37, 160, 160), (1, 2, 21, 37, 256, 256), (1, 2, 21, 37, 96, 160)],
                          ids=str)  # fmt: skip
 def test_triton_largest_head_sizes(shape, dtype, formulation):
     """Head sizes of the largest bucket (256; 160 and a value size of 160 pad to it), with repeated tokens: values
-    equal to another key's, whose zero distances take the exact pass."""
+    equal to another key's, whose zero distances take the exact pass. Each dtype with one formulation (the
+    interpreter's cost grows with the head size; test_triton_float32 crosses formulations with masks)."""
     inputs, p = make_inputs(*shape, dtype, duplicates=True)
     check(triton_small_blocks, inputs, p, dtype, attn_mask=make_mask("padding", *shape[:4]), is_causal=True,
           formulation=formulation)  # fmt: skip
