@@ -11,7 +11,9 @@ prints per call, forward and forward + backward:
   of the same call through torch.library's custom-op dispatcher (what compiled graphs call), and of SDPA at the same
   shape, interleaved, median of ``--repeats`` rounds of ``--calls`` calls;
 - the Triton launches and the ATen operations (allocations and views included; most are a kernel launch on a GPU)
-  per call, counted exactly.
+  per call, counted exactly;
+- the Python time of one launch through ``triton_launcher.BoundLaunches`` (its key, lookup and arguments), the
+  compiled kernel a no-op: on a GPU Triton's own launcher adds its time to this.
 """
 
 import argparse
@@ -28,6 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from machine import facts_label, machine_facts  # noqa: E402
 from modeling_plat import plap_attention  # noqa: E402
 from modeling_plat import plap_attention_triton as triton_module  # noqa: E402
+from modeling_plat import triton_launcher  # noqa: E402
 
 P_MIX = (1.5, 2.5)
 
@@ -85,6 +88,37 @@ def calls(q, k, v, p, grad):
     }
 
 
+class NoOpKernel:
+    """Stands in for a Triton kernel: its launch "compiles" a kernel whose run does nothing."""
+
+    params = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **meta: NoOpKernel.Compiled()
+
+    class Compiled:
+        function = packed_metadata = None
+
+        def run(self, *args):
+            pass
+
+
+def bound_launch_us(launches, count):
+    """Microseconds of Python per launch of a call's launches through BoundLaunches, after the first (binding)."""
+    bound = triton_launcher.BoundLaunches()
+    bound.enabled, bound.current_stream = True, lambda device: None
+    kernel = NoOpKernel()
+    launches = [launch._replace(kernel=kernel) for launch in launches]
+    current_device = torch.cuda.current_device
+    torch.cuda.current_device = lambda: 0  # a CPU machine has none to ask
+    try:
+        for launch in launches:
+            bound(launch)
+        return per_call_us(lambda: [bound(launch) for launch in launches], count) / len(launches)
+    finally:
+        torch.cuda.current_device = current_device
+
+
 def per_call_us(fn, count):
     start = time.perf_counter()
     for _ in range(count):
@@ -102,7 +136,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     batch, heads, _, head_dim = args.shape
     launches = []
-    triton_module._run = lambda launch, query, value: launches.append(launch.kernel.__name__)
+    triton_module._run = lambda launch, query, value: launches.append(launch)
     q, k, v, p, grad = inputs(batch, heads, args.length, head_dim)
     cases = calls(q, k, v, p, grad)
     for forward, both in cases.values():  # warm-up, and every path checked to run
@@ -126,6 +160,10 @@ def main(argv=None):
                 counts.append(f"{len(launches)} + {counter.count}")
             line += f"   Triton launches + ATen ops: fwd {counts[0]}, fwd+bwd {counts[1]}"
         print(line)
+    launches.clear()
+    cases["plat (eager path)"][1]()
+    per_launch = statistics.median(bound_launch_us(list(launches), args.calls) for _ in range(args.repeats))
+    print(f"  one bound launch, Python side (compiled kernel a no-op): {per_launch:.2f} us")
 
 
 if __name__ == "__main__":
