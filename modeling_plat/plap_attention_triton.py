@@ -38,8 +38,8 @@ shapes. No gradient for p (static per head).
 What a GPU can run is decided before any launch, by ``triton_unsupported_reason``: the Triton version, the compute
 capability, dtypes, head sizes per dtype and architecture (so that the tiles fit its shared memory), mask shapes and
 element counts. ``tests/attention/test_triton_compile.py`` compiles a sample of the configurations it admits for each
-supported architecture on CPU, and all of them with ``-m kernels``. A compile or launch failure that still happens is re-raised with the configuration and a
-pointer to the tiled backend, never replaced silently.
+supported architecture on CPU, and all of them with ``-m kernels``. A compile or launch failure that still happens is
+re-raised with the configuration and a pointer to the tiled backend, never replaced silently.
 """
 
 import functools
@@ -195,9 +195,9 @@ def _slab_blocks(kernel, config, num_queries, num_keys):
 def _launch_plan(kernel, config, shape, p, is_causal, window, has_key_mask, has_documents, euler, eps, exact_only,
                  flag_block):  # fmt: skip
     """(grid, scalar arguments, meta, PlanKey) of each launch of ``kernel`` (``launch_groups``), its first pass then its
-    exact pass (or that alone): what the shapes settle, computed once per shape (no key for symbolic sizes). ``shape`` is (B, H, Nq, Nk, d, dv), ``window``
-    the sliding window's size (0: none); a backward kernel's ``flag_block`` is the size of the forward's blocks (dq)
-    or key tiles (dk/dv) that its flags cover."""
+    exact pass (or that alone): what the shapes settle, computed once per shape (no key for symbolic sizes).
+    ``shape`` is (B, H, Nq, Nk, d, dv), ``window`` the sliding window's size (0: none); a backward kernel's
+    ``flag_block`` is the size of the forward's blocks (dq) or key tiles (dk/dv) that its flags cover."""
     batch, heads, num_queries, num_keys, head_dim, value_dim = shape
     blocks = _slab_blocks(kernel, config, num_queries, num_keys)
     keyed = all(type(size) is int for size in shape)

@@ -37,10 +37,10 @@ from .plap_attention_reference import (
 # `python benchmarks/bench_attention.py` (crossovers per machine in docs/performance.md).
 EAGER_MAX_SCORES_PER_THREAD_CPU = 65536
 # On CUDA, where the kernels refuse an input, the eager backend ran forward + backward 21-36x faster than the tiled one
-# on an H200 (bfloat16, d = 64, a general mask, 512-8k tokens: benchmarks/results/gpu_check-h200-2026-11-27-ef73312.json,
-# section "fallback"), at a peak of 38 bytes per score (B * H * Nq * Nk) against the tiled one's O(N). Eager runs while
-# that peak takes at most this share of the GPU's memory (a model keeps each layer's weights for its backward), tiled
-# above.
+# on an H200 (bfloat16, d = 64, a general mask, 512-8k tokens: section "fallback" of
+# benchmarks/results/gpu_check-h200-2026-11-27-ef73312.json), at a peak of 38 bytes per score (B * H * Nq * Nk)
+# against the tiled one's O(N). Eager runs while that peak takes at most this share of the GPU's memory (a model keeps
+# each layer's weights for its backward), tiled above.
 EAGER_MAX_MEMORY_SHARE_CUDA = 1 / 16
 EAGER_PEAK_BYTES_PER_SCORE = 38
 

@@ -7,8 +7,9 @@ which attention at small shapes waits for. ``BoundLaunches`` keeps each compiled
 everything Triton specializes on, and more: the launch's plan (the kernel, its grid, its constexprs and options and
 the values of its other non-tensor arguments, ``PlanKey``), the device, and for each tensor argument its dtype and
 whether its address is a multiple of 16 (Triton's only specialization of a pointer). Equal keys thus mean equal
-specializations: a repeated launch calls the compiled kernel's launcher directly. The first launch of a key goes through Triton (which compiles or finds the kernel), and so does every launch
-while a profiler's launch hooks are set, or on a Triton version whose launcher this module was not checked against.
+specializations: a repeated launch calls the compiled kernel's launcher directly. The first launch of a key goes
+through Triton (which compiles or finds the kernel), and so does every launch while a profiler's launch hooks are set,
+or on a Triton version whose launcher this module was not checked against.
 
 While torch.compile traces the fused ops, their launches go through ``torch.library.wrap_triton`` instead, so that
 Inductor sees the kernels and launches them itself (in CUDA graphs under ``mode="reduce-overhead"``). Under the Triton

@@ -256,8 +256,9 @@ class OpNames(TorchDispatchMode):
 def test_a_call_runs_the_kernels_and_allocations_only(monkeypatch, formulation, pairs_over_limit):
     """The host work of a bfloat16 forward + backward, launches recorded instead of run: the values' squared norms
     (a norm and its square), each kernel's two passes (forward, dQ, dK/dV) or, up to ONE_PASS_PAIRS, its exact pass
-    alone, for each of the two p, and no other tensor operation but allocations and views: no cast, row statistic, zero gradient or flag
-    fill (the first pass zeroes the flags it needs zeroed), each of which is a kernel and its host time on a GPU."""
+    alone, for each of the two p, and no other tensor operation but allocations and views: no cast, row statistic,
+    zero gradient or flag fill (the first pass zeroes the flags it needs zeroed), each of which is a kernel and its
+    host time on a GPU."""
     launches = []
     monkeypatch.setattr(triton_module, "_run", lambda launch, query, value: launches.append(
         (launch.kernel.__name__, bool(launch.meta["PASS"]))))  # fmt: skip
