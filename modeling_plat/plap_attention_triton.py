@@ -16,15 +16,17 @@ it met one, so that the backward's passes split their blocks by the forward's fl
 without a test of their own in the first pass. The close pairs' direct differences take code and registers that
 would cut the blocks per SM to one. Calls of at most ``ONE_PASS_PAIRS`` pairs run the exact pass alone, every block
 flagged: one launch per kernel, where the GPU would wait for the host's launches rather than for the kernels. The
-values' squared norms, float32, are computed before the forward by two ATen operations (a norm reduction that reads
-the values once, and its square).
+values' norms, float32, are computed before the forward by one ATen reduction that reads the values once; the
+kernels square them.
 
 P = (D2 + eps) ** ((p - 2) / 2) uses the hardware's approximate special functions (relative error ~2^-22): p = 1.5
-and 2.5 as rsqrt/sqrt chains, any other p as exp2(e * log2(x)); one launch serves up to 32 consecutive heads with at
-most two values of p (each program reads its head's p from a bit mask), and each loop is compiled once per power
-class. Each loop runs in two parts: plain tiles, whose pairs are all allowed and off the diagonal, with no mask and
-no self-pair test, then the few masked tiles (the diagonal band, the last partial tile, every tile under key
-padding).
+and 2.5 as square-root chains, any other p as exp2(e * log2(x)). A run of up to 32 consecutive heads with at most two
+values of p (each program reads its head's p from a bit mask) is one launch per kernel pass, the power's class a
+compile-time constant of the launch; the paper's mix, whose two p take two chains, is one launch where the call's
+exact pass runs alone (small calls, which wait for the host: the chains join at two instructions per score) and one
+launch per p in the two passes of larger ones (``launch_groups``). Each loop runs in two parts: plain
+tiles, whose pairs are all allowed and off the diagonal, with no mask and no self-pair test, then the few masked
+tiles (the diagonal band, the last partial tile, every tile under key padding).
 
 P and every accumulation are float32. Matmuls of half-precision operands take them as they are (exact products). No
 matmul with a float32 operand runs in plain TF32, whose inputs keep 10 mantissa bits: for float32 inputs every matmul
@@ -58,7 +60,9 @@ from .triton_configs import (
 )  # fmt: skip
 from .triton_forward import plap_forward_kernel
 from .triton_launcher import TRITON_VERSION, BoundLaunches, PlanKey, run_launch, traced_launch
-from .triton_tiles import EXACT_ALONE, EXACT_PASS, FIRST_PASS, INTERPRETED, POWER_CLASSES, triton
+from .triton_tiles import (
+    EXACT_ALONE, EXACT_PASS, FIRST_PASS, INTERPRETED, POWER_ANY, POWER_QUARTERS, QUARTER_CLASSES, triton,
+)  # fmt: skip
 
 # Oldest Triton whose compiled kernels are checked (tests/attention/test_triton_compile.py with PLAT_AOT_TRITON; older
 # ones do not compile the kernels' tuple arguments).
@@ -162,21 +166,30 @@ ONE_PASS_PAIRS = 2**23
 # Multiply-adds fused (FMA): the kernels' arithmetic and instruction counts assume them, and Triton's default turns
 # fusion off from 3.10.
 FP_FUSION = True
-# Heads of one launch: bit h of an int32 says whether the launch runs head first + h.
+# Runs of heads: bit h of an int32 says which of the run's two p head first + h takes.
 MAX_LAUNCH_HEADS = 32
 
 
 @functools.lru_cache(maxsize=256)  # a model's layers pass the same few tuples at every call
-def launch_groups(p):
-    """(first head, end, p, head_mask) of each launch, ``p`` a tuple of one float per head: runs of consecutive heads
-    with at most two values of p, at most MAX_LAUNCH_HEADS of them, one launch per value (its power's class is a
-    compile-time constant), whose programs run the heads of the run where bit h of head_mask (a signed int32) is set
-    for head first + h, and leave at once elsewhere. The paper's mix is one run."""
+def launch_groups(p, merge_quarters):
+    """(first head, end, power class, low p, high p, high_heads) of each launch, ``p`` a tuple of one float per head:
+    runs of at most MAX_LAUNCH_HEADS consecutive heads with at most two values of p, bit h of high_heads (a signed
+    int32) set where head first + h takes the high p. A run is one launch, its class a compile-time constant: any p's
+    class, or where its p are the paper's, the class of its one p, or with both (the paper's mix) POWER_QUARTERS where
+    ``merge_quarters``, else one launch per p with the class of each, whose programs run that p's heads only
+    (``triton_tiles.runs_head``)."""
     launches = []
     for first, end in head_runs(p, lambda run: len(run) <= MAX_LAUNCH_HEADS and len(set(run)) <= 2):
-        for value in sorted(set(p[first:end])):
-            mask = sum(1 << (head - first) for head in range(first, end) if p[head] == value)
-            launches.append((first, end, value, mask - (1 << 32) if mask >= 1 << 31 else mask))
+        values = sorted(set(p[first:end]))
+        mask = sum(1 << (head - first) for head in range(first, end) if p[head] == values[-1] != values[0])
+        if not set(values) <= set(QUARTER_CLASSES):
+            classes = [POWER_ANY]
+        elif len(values) == 2 and merge_quarters:
+            classes = [POWER_QUARTERS]
+        else:
+            classes = [QUARTER_CLASSES[value] for value in values]
+        launches += [(first, end, int(power), values[0], values[-1], mask - (1 << 32) if mask >= 1 << 31 else mask)
+                     for power in classes]  # fmt: skip
     return tuple(launches)
 
 
@@ -202,16 +215,16 @@ def _launch_plan(kernel, config, shape, p, is_causal, window, has_key_mask, has_
     blocks = _slab_blocks(kernel, config, num_queries, num_keys)
     keyed = all(type(size) is int for size in shape)
     plan = []
-    for first, end, value, head_mask in launch_groups(p):
+    for first, end, power, low, high, high_heads in launch_groups(p, exact_only):
         meta = dict(HEAD_DIM=head_dim, VALUE_DIM=value_dim, BLOCK_D=padded_head_size(head_dim),
                     BLOCK_DV=padded_head_size(value_dim), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-                    POWER=POWER_CLASSES.get(value, 0), IS_CAUSAL=is_causal, HAS_WINDOW=window > 0,
+                    POWER=power, IS_CAUSAL=is_causal, HAS_WINDOW=window > 0,
                     HAS_KEY_MASK=has_key_mask, HAS_DOCUMENTS=has_documents, EULER=euler, num_warps=config.num_warps,
                     num_stages=config.num_stages, enable_fp_fusion=FP_FUSION)  # fmt: skip
         if flag_block is not None:
             meta.update(FLAG_BLOCK=flag_block, SUMS_BY_MATMUL=bool(config.sums_by_matmul))
         sizes = (first, end - first, heads, num_queries, num_keys, window, LOG2_E / math.sqrt(head_dim),
-                 (value - 2) / 2, head_mask, eps)  # fmt: skip
+                 (low - 2) / 2, (high - 2) / 2, high_heads, eps)  # fmt: skip
         grid = (blocks * batch * (end - first),)
         if exact_only:
             passes = [dict(meta, PASS=int(EXACT_ALONE))]
@@ -235,25 +248,26 @@ def _launches(kernel, config, query, key, value, tensors, p, is_causal, window, 
             for grid, sizes, meta, key in plan(kernel, config, shape, *flags)]  # fmt: skip
 
 
-def _masks(sq_norms, key_keep, documents):
+def _masks(norms, key_keep, documents):
     """The kernels' KeyKeep and Documents arguments; an absent one is a placeholder tensor never read."""
-    return tuple(sq_norms if mask is None else mask for mask in (key_keep, documents))
+    return tuple(norms if mask is None else mask for mask in (key_keep, documents))
 
 
-def squared_norms(value):
-    """(..., N) float32 squared norms of the rows of ``value`` (..., N, C), from one read of them: each is the square of
-    a float32 norm, within about 1.5 u of the float32 sum of its exact squares (docs/numerics.md)."""
-    return torch.linalg.vector_norm(value, dim=-1, dtype=torch.float32).square_()
+def value_norms(value):
+    """(..., N) float32 norms of the rows of ``value`` (..., N, C), from one read of them; the kernels square them
+    (``triton_tiles.squared_norms``), each square within about 1.5 u of the float32 sum of its exact squares
+    (docs/numerics.md)."""
+    return torch.linalg.vector_norm(value, dim=-1, dtype=torch.float32)
 
 
-def forward_launches(query, key, value, sq_norms, key_keep, documents, out, lse, own_weight, exact_blocks, p,
+def forward_launches(query, key, value, norms, key_keep, documents, out, lse, own_weight, exact_blocks, p,
                      is_causal, eps, euler, config, exact_only=False, window=0):  # fmt: skip
     """The forward launches of contiguous inputs, the first pass then the exact one (``plap_forward_kernel``), or the
     exact one alone (``exact_only``); ``key_keep`` is the (B, Nk) int8 padding mask or None, ``documents`` the
-    ``document_table`` of packed rows or None, ``sq_norms`` the (B, H, Nk) float32 squared norms of the values,
+    ``document_table`` of packed rows or None, ``norms`` the (B, H, Nk) float32 norms of the values,
     ``exact_blocks`` two int32 tensors of ``exact_block_counts(...)`` elements (not read with ``exact_only``),
     ``window`` the size of a causal sliding window (keys in (x - window, x] of the query at key position x; 0: none)."""
-    tensors = (query, key, value, sq_norms, *_masks(sq_norms, key_keep, documents), out, lse, own_weight,
+    tensors = (query, key, value, norms, *_masks(norms, key_keep, documents), out, lse, own_weight,
                *exact_blocks)  # fmt: skip
     flags = (p, is_causal, window, key_keep is not None, documents is not None, euler, eps, exact_only)
     return _launches(plap_forward_kernel, config.fwd, query, key, value, tensors, *flags)
@@ -267,14 +281,14 @@ def exact_block_counts(query, key, config):
 
 
 def backward_launches(
-    query, key, value, sq_norms, key_keep, documents, grad_out, out, lse, delta, own_dot, own_weight, grad_q, grad_k,
+    query, key, value, norms, key_keep, documents, grad_out, out, lse, delta, own_dot, own_weight, grad_q, grad_k,
     grad_v, grad_v_own, exact_blocks, p, is_causal, eps, euler, config, exact_only=False, window=0,
 ):  # fmt: skip
     """The dq launches, then the dk/dv launches, each kernel's first pass then its exact one (or that alone, as in
     ``forward_launches``). dq writes the row statistics ``delta`` and (euler) ``own_dot``, (B, H, Nq) float32, and
     each query's own-value part of dv to ``grad_v_own``, (B, H, Nq, dv) float32, which the dk/dv kernel adds to the
     key side as it stores ``grad_v``; ``exact_blocks`` are the forward's flags (``forward_launches``)."""
-    inputs = (query, key, value, sq_norms, *_masks(sq_norms, key_keep, documents), grad_out, lse, delta, own_dot)
+    inputs = (query, key, value, norms, *_masks(norms, key_keep, documents), grad_out, lse, delta, own_dot)
     flags = (p, is_causal, window, key_keep is not None, documents is not None, euler, eps, exact_only)
     query_blocks, key_tiles = exact_blocks
     dq = (plap_dq_kernel, config.dq, query, key, value, (*inputs, out, own_weight, grad_q, grad_v_own,
@@ -357,29 +371,32 @@ def _fused_forward(
     eps: float,
     euler: bool,
     config: list[int],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The output, then what the backward needs: the logsumexp, euler's own weights, the values' squared norms and the
-    exact passes' flags (``_exact_flags``)."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The output, then what the backward needs: the row statistics (``_row_stats``), the values' norms and the exact
+    passes' flags (``_exact_flags``)."""
     batch, heads, num_queries, _ = query.shape
     out = query.new_empty(batch, heads, num_queries, value.shape[-1])  # (B, H, Nq, dv)
-    lse = torch.empty(batch, heads, num_queries, device=query.device, dtype=torch.float32)
-    own_weight = torch.empty_like(lse) if euler else lse.new_empty(0)  # written by euler only
-    sq_norms = squared_norms(value)  # (B, H, Nk)
+    row_stats = torch.empty(1 + euler, batch, heads, num_queries, device=query.device, dtype=torch.float32)
+    norms = value_norms(value)  # (B, H, Nk)
     config, alone = _unflat(config), exact_pass_alone(query, key)
     exact_blocks = _exact_flags(query, key, config)
-    for launch in forward_launches(
-        query, key, value, sq_norms, key_keep, documents, out, lse, own_weight if euler else lse, exact_blocks,
-        tuple(p), is_causal, eps, euler, config, alone, window,
-    ):  # fmt: skip
+    for launch in forward_launches(query, key, value, norms, key_keep, documents, out, *_row_stats(row_stats, euler),
+                                   exact_blocks, tuple(p), is_causal, eps, euler, config, alone, window):  # fmt: skip
         _run(launch, query, value)
-    return out, lse, own_weight, sq_norms, *exact_blocks
+    return out, row_stats, norms, *exact_blocks
+
+
+def _row_stats(row_stats, euler):
+    """(logsumexp, own weights) of the forward's row statistics (1 + euler, B, H, Nq): one allocation. Without euler the
+    tensor itself is both (its one slab starts where it does; the kernels never write own weights then): no view."""
+    return (row_stats[0], row_stats[1]) if euler else (row_stats, row_stats)
 
 
 def _fake_forward(query, key, value, key_keep, documents, p, is_causal, window, eps, euler, config):
     batch, heads, num_queries, _ = query.shape
-    lse = query.new_empty(batch, heads, num_queries, dtype=torch.float32)
-    return (query.new_empty(batch, heads, num_queries, value.shape[-1]), lse,
-            lse.new_empty(lse.shape if euler else (0,)), lse.new_empty(value.shape[:3]),
+    return (query.new_empty(batch, heads, num_queries, value.shape[-1]),
+            query.new_empty(1 + euler, batch, heads, num_queries, dtype=torch.float32),
+            query.new_empty(value.shape[:3], dtype=torch.float32),
             *_exact_flags(query, key, _unflat(config)))  # fmt: skip
 
 
@@ -391,9 +408,8 @@ def _fused_backward(
     key_keep: torch.Tensor | None,
     documents: torch.Tensor | None,
     out: torch.Tensor,
-    lse: torch.Tensor,
-    own_weight: torch.Tensor,
-    sq_norms: torch.Tensor,
+    row_stats: torch.Tensor,
+    norms: torch.Tensor,
     query_blocks: torch.Tensor,
     key_tiles: torch.Tensor,
     p: list[float],
@@ -409,17 +425,17 @@ def _fused_backward(
     grad_q, grad_k, grad_v = torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
     grad_v_own = torch.empty(out.shape, device=query.device, dtype=torch.float32)
     config, alone = _unflat(config), exact_pass_alone(query, key)
+    lse, own_weight = _row_stats(row_stats, euler)
     for launch in backward_launches(
-        query, key, value, sq_norms, key_keep, documents, grad_out, out, lse, delta, own_dot,
-        own_weight if euler else lse, grad_q, grad_k, grad_v, grad_v_own, (query_blocks, key_tiles), tuple(p),
-        is_causal, eps, euler, config, alone, window,
+        query, key, value, norms, key_keep, documents, grad_out, out, lse, delta, own_dot, own_weight, grad_q, grad_k,
+        grad_v, grad_v_own, (query_blocks, key_tiles), tuple(p), is_causal, eps, euler, config, alone, window,
     ):  # fmt: skip
         _run(launch, query, value)
     return grad_q, grad_k, grad_v
 
 
-def _fake_backward(grad_out, query, key, value, key_keep, documents, out, lse, own_weight, sq_norms, query_blocks,
-                   key_tiles, p, is_causal, window, eps, euler, config):  # fmt: skip
+def _fake_backward(grad_out, query, key, value, key_keep, documents, out, row_stats, norms, query_blocks, key_tiles,
+                   p, is_causal, window, eps, euler, config):  # fmt: skip
     return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
 
 

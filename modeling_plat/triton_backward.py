@@ -21,7 +21,7 @@ from .triton_tiles import (
     EXACT_ALONE, EXACT_PASS, FIRST_PASS, FLOAT32_DOT, LN_2, any_set, class_exponent, close_bounds, distances,
     exact_dot, fixed_documents, float32_scalars, forward_flagged, jit, key_loop_bounds, load_rows, load_vector,
     masked_scores, pair_dot, per_query, power, program_ids, query_loop_bounds, row_ptrs, row_sums, row_sums_init,
-    store_rows, tile_start, times_minus_two, tl,
+    runs_head, squared_norms, store_rows, tile_start, times_minus_two, tl,
 )  # fmt: skip
 
 
@@ -65,14 +65,14 @@ def _tile_grads(q, k, query_side, key_side, bounds, grad_out, row_stats, V, rows
 
 
 @jit
-def _query_side(slab, rows, V, SqNorms, GradOut, Lse, Delta, OwnDot, num_queries, num_keys, VALUE_DIM: tl.constexpr,
+def _query_side(slab, rows, V, Norms, GradOut, Lse, Delta, OwnDot, num_queries, num_keys, VALUE_DIM: tl.constexpr,
                 BLOCK_DV: tl.constexpr, LOAD_STATS: tl.constexpr, CHECK_ROWS: tl.constexpr):  # fmt: skip
-    """What a backward tile needs of a block of queries besides q: own values [BM, BDV], their squared norms (without
-    eps: the fixed block's carry it), dU [BM, BDV], the logsumexp, and (``LOAD_STATS``) the row statistics [BM]."""
+    """What a backward tile needs of a block of queries besides q: own values [BM, BDV], their norms (not squared:
+    ``distances`` squares a loop tile's), dU [BM, BDV], the logsumexp, and (``LOAD_STATS``) the row statistics [BM]."""
     offset = num_keys - num_queries
     stats = slab * num_queries
     v_query = load_rows(V + offset * VALUE_DIM, rows, num_queries, VALUE_DIM, BLOCK_DV, CHECK_ROWS)
-    sq_query = load_vector(SqNorms + offset, rows, num_queries, 0.0, CHECK_ROWS)
+    query_norms = load_vector(Norms + offset, rows, num_queries, 0.0, CHECK_ROWS)
     grad_out = load_rows(GradOut + stats * VALUE_DIM, rows, num_queries, VALUE_DIM, BLOCK_DV, CHECK_ROWS)
     lse = load_vector(Lse + stats, rows, num_queries, float("inf"), CHECK_ROWS)
     delta = lse  # not read: the dq kernel computes its own (``_row_stats``)
@@ -80,7 +80,7 @@ def _query_side(slab, rows, V, SqNorms, GradOut, Lse, Delta, OwnDot, num_queries
     if LOAD_STATS:
         delta = load_vector(Delta + stats, rows, num_queries, 0.0, CHECK_ROWS)
         own_dot = load_vector(OwnDot + stats, rows, num_queries, 0.0, CHECK_ROWS)
-    return v_query, sq_query, grad_out, lse, delta, own_dot
+    return v_query, query_norms, grad_out, lse, delta, own_dot
 
 
 @jit
@@ -114,16 +114,16 @@ def _dkdv_tile(grad_k, grad_v, grad_dist_sum, keys, queries, head, sizes, start,
                SUMS_BY_MATMUL: tl.constexpr):  # fmt: skip
     """dK, dV and the distance gradient's row sums after the query tile at ``start``; (keys, queries) tiles."""
     cols, k, values, sq_keys_eps, bounds = keys
-    slab, Q, V, SqNorms, GradOut, Lse, Delta, OwnDot, masks = queries
+    slab, Q, V, Norms, GradOut, Lse, Delta, OwnDot, masks = queries
     num_queries, num_keys = sizes
     rows = start + tl.arange(0, BLOCK_M)  # [BM]
     q = load_rows(Q + slab * num_queries * HEAD_DIM, rows, num_queries, HEAD_DIM, k.shape[1], MASKED)  # [BM, BD]
-    v_query, sq_query, grad_out, lse, delta, own_dot = _query_side(
-        slab, rows, V, SqNorms, GradOut, Lse, Delta, OwnDot, num_queries, num_keys, VALUE_DIM=VALUE_DIM,
+    v_query, query_norms, grad_out, lse, delta, own_dot = _query_side(
+        slab, rows, V, Norms, GradOut, Lse, Delta, OwnDot, num_queries, num_keys, VALUE_DIM=VALUE_DIM,
         BLOCK_DV=values.shape[1], LOAD_STATS=True, CHECK_ROWS=MASKED,
     )  # fmt: skip
     weights, grad_scores, grad_dist = _tile_grads(
-        q, k, (v_query, sq_query), (values, sq_keys_eps), bounds, grad_out, (lse, delta, own_dot), V, rows, cols,
+        q, k, (v_query, query_norms), (values, sq_keys_eps), bounds, grad_out, (lse, delta, own_dot), V, rows, cols,
         sizes, masks, head, VALUE_DIM=VALUE_DIM, POWER=POWER, MASKED=MASKED, IS_CAUSAL=IS_CAUSAL, HAS_WINDOW=HAS_WINDOW,
         HAS_KEY_MASK=HAS_KEY_MASK, HAS_DOCUMENTS=HAS_DOCUMENTS, EULER=EULER, QUERY_AXIS=1, EXACT=EXACT,
     )  # [BN, BM] each  # fmt: skip
@@ -135,10 +135,11 @@ def _dkdv_tile(grad_k, grad_v, grad_dist_sum, keys, queries, head, sizes, start,
     return grad_k, grad_v, grad_dist_sum
 
 
-@jit(do_not_specialize=["head_mask"])
+@jit(do_not_specialize=["high_heads"])  # a bit mask, not a size
 def plap_dkdv_kernel(
-    Q, K, V, SqNorms, KeyKeep, Documents, GradOut, Lse, Delta, OwnDot, GradVOwn, GradK, GradV, KeyTiles,
-    head_start, run_heads, num_heads, num_queries, num_keys, window, scale_log2, exponent, head_mask, eps,
+    Q, K, V, Norms, KeyKeep, Documents, GradOut, Lse, Delta, OwnDot, GradVOwn, GradK, GradV, KeyTiles,
+    head_start, run_heads, num_heads, num_queries, num_keys, window, scale_log2, exponent_low, exponent_high,
+    high_heads, eps,
     HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, POWER: tl.constexpr, IS_CAUSAL: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_KEY_MASK: tl.constexpr, HAS_DOCUMENTS: tl.constexpr, EULER: tl.constexpr,
@@ -146,9 +147,10 @@ def plap_dkdv_kernel(
 ):  # fmt: skip
     """A key block goes to the exact pass where the forward's exact pass flagged a key tile (FLAG_BLOCK keys) that
     holds any of its keys, and to the first pass otherwise."""
-    scale_log2, exponent, eps = float32_scalars(scale_log2, exponent, eps)
-    pid_n, slab, in_launch = program_ids(num_keys, head_start, run_heads, num_heads, head_mask, BLOCK_N, False)
-    if not in_launch:
+    scale_log2, exponent_low, exponent_high, eps = float32_scalars(scale_log2, exponent_low, exponent_high, eps)
+    pid_n, slab, exponent = program_ids(num_keys, head_start, run_heads, num_heads, high_heads, exponent_low,
+                                        exponent_high, BLOCK_N, False)  # fmt: skip
+    if not runs_head(exponent, POWER):
         return
     KeyTiles += slab * tl.cdiv(num_keys, FLAG_BLOCK)
     if PASS != EXACT_ALONE:
@@ -156,14 +158,14 @@ def plap_dkdv_kernel(
             return
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     V += slab * num_keys * VALUE_DIM
-    SqNorms += slab * num_keys
+    Norms += slab * num_keys
     key_keep_row = KeyKeep + (slab // num_heads) * num_keys
     k = load_rows(K + slab * num_keys * HEAD_DIM, cols, num_keys, HEAD_DIM, BLOCK_D)  # [BN, BD]
     values = load_rows(V, cols, num_keys, VALUE_DIM, BLOCK_DV)  # [BN, BDV]
-    sq_keys_eps = load_vector(SqNorms, cols, num_keys, 0.0) + eps  # [BN]
+    sq_keys_eps = squared_norms(Norms, cols, num_keys) + eps  # [BN]
     docs, span = fixed_documents(Documents, slab, num_heads, cols, num_keys, HAS_DOCUMENTS)
     keys = (cols, k, values, sq_keys_eps, close_bounds(sq_keys_eps, eps, 1))
-    queries = (slab, Q, V, SqNorms, GradOut, Lse, Delta, OwnDot, (key_keep_row, docs, window))
+    queries = (slab, Q, V, Norms, GradOut, Lse, Delta, OwnDot, (key_keep_row, docs, window))
     sizes = (num_queries, num_keys)
     plain, masked = query_loop_bounds(pid_n, num_queries, num_keys, window, span, BLOCK_M, BLOCK_N, IS_CAUSAL,
                                       HAS_WINDOW, HAS_KEY_MASK)  # fmt: skip
@@ -201,14 +203,14 @@ def _dq_tile(grad_q, grad_v_own, grad_dist_sum, queries, keys, head, sizes, star
              EULER: tl.constexpr, EXACT: tl.constexpr, SUMS_BY_MATMUL: tl.constexpr):  # fmt: skip
     """dQ, the query side of dV and the distance gradient's row sums after the key tile at ``start``."""
     rows, q, v_query_m2, sq_query_eps, bounds, grad_out, row_stats = queries
-    K, V, SqNorms, masks = keys
+    K, V, Norms, masks = keys
     num_keys = sizes[1]
     cols = start + tl.arange(0, BLOCK_N)  # [BN]
     k = load_rows(K, cols, num_keys, HEAD_DIM, q.shape[1], MASKED)  # [BN, BD]
     values = load_rows(V, cols, num_keys, VALUE_DIM, grad_out.shape[1], MASKED)  # [BN, BDV]
-    sq_keys = load_vector(SqNorms, cols, num_keys, 0.0, MASKED)  # [BN]
+    key_norms = load_vector(Norms, cols, num_keys, 0.0, MASKED)  # [BN]
     weights, grad_scores, grad_dist = _tile_grads(
-        q, k, (v_query_m2, sq_query_eps), (values, sq_keys), bounds, grad_out, row_stats, V, rows, cols, sizes, masks,
+        q, k, (v_query_m2, sq_query_eps), (values, key_norms), bounds, grad_out, row_stats, V, rows, cols, sizes, masks,
         head, VALUE_DIM=VALUE_DIM, POWER=POWER, MASKED=MASKED, IS_CAUSAL=IS_CAUSAL, HAS_WINDOW=HAS_WINDOW,
         HAS_KEY_MASK=HAS_KEY_MASK, HAS_DOCUMENTS=HAS_DOCUMENTS, EULER=EULER, QUERY_AXIS=0, EXACT=EXACT,
     )  # [BM, BN] each  # fmt: skip
@@ -217,10 +219,11 @@ def _dq_tile(grad_q, grad_v_own, grad_dist_sum, queries, keys, head, sizes, star
     return grad_q, grad_v_own, grad_dist_sum
 
 
-@jit(do_not_specialize=["head_mask"])
+@jit(do_not_specialize=["high_heads"])  # a bit mask, not a size
 def plap_dq_kernel(
-    Q, K, V, SqNorms, KeyKeep, Documents, GradOut, Lse, Delta, OwnDot, Out, OwnWeight, GradQ, GradVOwn, QueryBlocks,
-    head_start, run_heads, num_heads, num_queries, num_keys, window, scale_log2, exponent, head_mask, eps,
+    Q, K, V, Norms, KeyKeep, Documents, GradOut, Lse, Delta, OwnDot, Out, OwnWeight, GradQ, GradVOwn, QueryBlocks,
+    head_start, run_heads, num_heads, num_queries, num_keys, window, scale_log2, exponent_low, exponent_high,
+    high_heads, eps,
     HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, POWER: tl.constexpr, IS_CAUSAL: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_KEY_MASK: tl.constexpr, HAS_DOCUMENTS: tl.constexpr, EULER: tl.constexpr,
@@ -228,9 +231,10 @@ def plap_dq_kernel(
 ):  # fmt: skip
     """A query block goes to the exact pass where the forward flagged one of its query blocks (FLAG_BLOCK queries)
     that holds any of this block's queries, and to the first pass otherwise."""
-    scale_log2, exponent, eps = float32_scalars(scale_log2, exponent, eps)
-    pid_m, slab, in_launch = program_ids(num_queries, head_start, run_heads, num_heads, head_mask, BLOCK_M, IS_CAUSAL)
-    if not in_launch:
+    scale_log2, exponent_low, exponent_high, eps = float32_scalars(scale_log2, exponent_low, exponent_high, eps)
+    pid_m, slab, exponent = program_ids(num_queries, head_start, run_heads, num_heads, high_heads, exponent_low,
+                                        exponent_high, BLOCK_M, IS_CAUSAL)  # fmt: skip
+    if not runs_head(exponent, POWER):
         return
     QueryBlocks += slab * tl.cdiv(num_queries, FLAG_BLOCK)
     if PASS != EXACT_ALONE:
@@ -239,20 +243,20 @@ def plap_dq_kernel(
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
     K += slab * num_keys * HEAD_DIM
     V += slab * num_keys * VALUE_DIM
-    SqNorms += slab * num_keys
+    Norms += slab * num_keys
     key_keep_row = KeyKeep + (slab // num_heads) * num_keys
     q = load_rows(Q + slab * num_queries * HEAD_DIM, rows, num_queries, HEAD_DIM, BLOCK_D)  # [BM, BD]
-    v_query, sq_query, grad_out, lse, _, _ = _query_side(
-        slab, rows, V, SqNorms, GradOut, Lse, Delta, OwnDot, num_queries, num_keys, VALUE_DIM=VALUE_DIM,
+    v_query, query_norms, grad_out, lse, _, _ = _query_side(
+        slab, rows, V, Norms, GradOut, Lse, Delta, OwnDot, num_queries, num_keys, VALUE_DIM=VALUE_DIM,
         BLOCK_DV=BLOCK_DV, LOAD_STATS=False, CHECK_ROWS=True,
     )  # fmt: skip
     v_query_m2 = times_minus_two(v_query)
-    sq_query_eps = sq_query + eps
+    sq_query_eps = query_norms * query_norms + eps
     bounds = close_bounds(sq_query_eps, eps, 0)
     delta, own_dot = _row_stats(Out, Delta, OwnDot, slab, rows, grad_out, v_query, num_queries, VALUE_DIM, EULER)
     docs, span = fixed_documents(Documents, slab, num_heads, rows, num_keys, HAS_DOCUMENTS)
     queries = (rows, q, v_query_m2, sq_query_eps, bounds, grad_out, (lse, delta, own_dot))
-    keys = (K, V, SqNorms, (key_keep_row, docs, window))
+    keys = (K, V, Norms, (key_keep_row, docs, window))
     sizes = (num_queries, num_keys)
     plain, masked = key_loop_bounds(pid_m, num_queries, num_keys, window, span, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_WINDOW,
                                     HAS_KEY_MASK)  # fmt: skip

@@ -3,8 +3,9 @@
 One program per (query block, batch * head) loops over key tiles with an online softmax (running max and sum in
 float32): the numerator accumulates exp(s - m) * P @ V, the denominator exp(s - m) alone, since softmax is normalised
 before the multiplication by P. Scores are in log2 units (one exp2 each, log2(e) / sqrt(d) folded into the scale); D2
-+ eps comes from the values' squared norms, computed once per call, and the matmul -2 v_x.v_y; P = (D2 + eps) ** ((p -
-2) / 2) in float32 (``power``). Saves the output, the row logsumexp (base 2) and, for euler, 1 - rowsum(W_off).
++ eps comes from the values' norms, computed once per call and squared here, and the matmul -2 v_x.v_y; P = (D2 +
+eps) ** ((p - 2) / 2) in float32 (``power``). Saves the output, the row logsumexp (base 2) and, for euler,
+1 - rowsum(W_off).
 
 The kernel runs twice over its grid (``PASS``): a first pass with the distances' expansion alone, then an exact pass
 over the blocks where it met close pairs of values (``distances``), which also flags the key tiles where it met them,
@@ -15,8 +16,8 @@ from __future__ import annotations
 
 from .triton_tiles import (
     EXACT_PASS, FIRST_PASS, FLOAT32_DOT, MIN_SCORE, any_set, close_bounds, distances, fixed_documents, float32_scalars,
-    jit, key_loop_bounds, load_rows, load_vector, masked_scores, pair_dot, power, program_ids, store_rows, tile_start,
-    times_minus_two, tl,
+    jit, key_loop_bounds, load_rows, load_vector, masked_scores, pair_dot, power, program_ids, runs_head, squared_norms,
+    store_rows, tile_start, times_minus_two, tl,
 )  # fmt: skip
 
 
@@ -28,13 +29,13 @@ def _forward_tile(row_max, row_sum, off_sum, acc, queries, keys, head, sizes, st
     """The online softmax's state after the key tile at ``start``, and which of the block's queries met close pairs
     in it (the exact pass after a first one flags its key tile for the backward)."""
     rows, q, v_query_m2, sq_query_eps, bounds = queries
-    K, V, SqNorms, KeyTiles, masks = keys
+    K, V, Norms, KeyTiles, masks = keys
     scale_log2, exponent, eps = head
     num_queries, num_keys = sizes
     cols = start + tl.arange(0, BLOCK_N)  # [BN]
     k = load_rows(K, cols, num_keys, HEAD_DIM, q.shape[1], MASKED)  # [BN, BD]
     values = load_rows(V, cols, num_keys, VALUE_DIM, acc.shape[1], MASKED)  # [BN, BDV]
-    sq_keys = load_vector(SqNorms, cols, num_keys, 0.0, MASKED)  # [BN]
+    key_norms = load_vector(Norms, cols, num_keys, 0.0, MASKED)  # [BN]
     # q.k unscaled: the scale (> 0) multiplies the row maxima, and joins each score's exp2 argument as one FMA.
     scores = masked_scores(pair_dot(q, k, 0), rows, cols, sizes, masks, MASKED=MASKED, IS_CAUSAL=IS_CAUSAL,
                            HAS_WINDOW=HAS_WINDOW, HAS_KEY_MASK=HAS_KEY_MASK, HAS_DOCUMENTS=HAS_DOCUMENTS,
@@ -44,7 +45,7 @@ def _forward_tile(row_max, row_sum, off_sum, acc, queries, keys, head, sizes, st
     expo = tl.exp2(scores * scale_log2 - new_max[:, None])  # [BM, BN]
     row_sum = row_sum * rescale + tl.sum(expo, 1)
     # [BM, BN] distances + eps, [BM, BN] self pairs, [BM] rows with close pairs
-    dist_eps, is_self, has_close = distances((v_query_m2, sq_query_eps), (values, sq_keys), bounds, V, rows, cols,
+    dist_eps, is_self, has_close = distances((v_query_m2, sq_query_eps), (values, key_norms), bounds, V, rows, cols,
                                              num_keys, num_keys - num_queries, eps, VALUE_DIM=VALUE_DIM, MASKED=MASKED,
                                              QUERY_AXIS=0, EXACT=PASS != FIRST_PASS)  # fmt: skip
     if PASS == EXACT_PASS:
@@ -59,10 +60,11 @@ def _forward_tile(row_max, row_sum, off_sum, acc, queries, keys, head, sizes, st
     return new_max, row_sum, off_sum, acc, has_close
 
 
-@jit(do_not_specialize=["head_mask"])  # a bit mask, not a size: one compilation serves every layout of p
+@jit(do_not_specialize=["high_heads"])  # a bit mask, not a size: one compilation serves every layout of p
 def plap_forward_kernel(
-    Q, K, V, SqNorms, KeyKeep, Documents, Out, Lse, OwnWeight, ExactBlocks, KeyTiles,
-    head_start, run_heads, num_heads, num_queries, num_keys, window, scale_log2, exponent, head_mask, eps,
+    Q, K, V, Norms, KeyKeep, Documents, Out, Lse, OwnWeight, ExactBlocks, KeyTiles,
+    head_start, run_heads, num_heads, num_queries, num_keys, window, scale_log2, exponent_low, exponent_high,
+    high_heads, eps,
     HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, POWER: tl.constexpr, IS_CAUSAL: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_KEY_MASK: tl.constexpr, HAS_DOCUMENTS: tl.constexpr, EULER: tl.constexpr,
@@ -74,10 +76,11 @@ def plap_forward_kernel(
     with the close pairs' direct differences, and sets KeyTiles where a tile had some; the others leave at once. The
     exact path's code and registers stay out of the first pass, which fits more blocks per SM. (A flagged block's
     first-pass values may be inf or NaN where the expansion went to zero or below: never stored.) The exact pass alone
-    runs every block and reads or writes no flag. A launch runs the heads of one p (``head_mask``, ``program_ids``)."""
-    scale_log2, exponent, eps = float32_scalars(scale_log2, exponent, eps)
-    pid_m, slab, in_launch = program_ids(num_queries, head_start, run_heads, num_heads, head_mask, BLOCK_M, IS_CAUSAL)
-    if not in_launch:
+    runs every block and reads or writes no flag. Each program's head has its own p (``program_ids``)."""
+    scale_log2, exponent_low, exponent_high, eps = float32_scalars(scale_log2, exponent_low, exponent_high, eps)
+    pid_m, slab, exponent = program_ids(num_queries, head_start, run_heads, num_heads, high_heads, exponent_low,
+                                        exponent_high, BLOCK_M, IS_CAUSAL)  # fmt: skip
+    if not runs_head(exponent, POWER):
         return
     exact_block = ExactBlocks + slab * tl.cdiv(num_queries, BLOCK_M) + pid_m
     if PASS == EXACT_PASS:
@@ -87,7 +90,7 @@ def plap_forward_kernel(
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
     K += slab * num_keys * HEAD_DIM
     V += slab * num_keys * VALUE_DIM
-    SqNorms += slab * num_keys
+    Norms += slab * num_keys
     KeyTiles += slab * tl.cdiv(num_keys, BLOCK_N)
     if PASS == FIRST_PASS:  # the exact pass sets the flags of the key tiles where it meets close pairs
         for tile in range(pid_m, tl.cdiv(num_keys, BLOCK_N), tl.cdiv(num_queries, BLOCK_M)):
@@ -95,10 +98,10 @@ def plap_forward_kernel(
     stats = slab * num_queries  # Lse and OwnWeight are (B, H, Nq)
     q = load_rows(Q + slab * num_queries * HEAD_DIM, rows, num_queries, HEAD_DIM, BLOCK_D)  # [BM, BD]
     v_query = load_rows(V, rows + offset, num_keys, VALUE_DIM, BLOCK_DV)  # [BM, BDV]
-    sq_query_eps = load_vector(SqNorms + offset, rows, num_queries, 0.0) + eps  # [BM]
+    sq_query_eps = squared_norms(Norms + offset, rows, num_queries) + eps  # [BM]
     docs, span = fixed_documents(Documents, slab, num_heads, rows, num_keys, HAS_DOCUMENTS)
     queries = (rows, q, times_minus_two(v_query), sq_query_eps, close_bounds(sq_query_eps, eps, 0))
-    keys = (K, V, SqNorms, KeyTiles, (KeyKeep + (slab // num_heads) * num_keys, docs, window))
+    keys = (K, V, Norms, KeyTiles, (KeyKeep + (slab // num_heads) * num_keys, docs, window))
     sizes = (num_queries, num_keys)
     plain, masked = key_loop_bounds(pid_m, num_queries, num_keys, window, span, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_WINDOW,
                                     HAS_KEY_MASK)  # fmt: skip

@@ -59,12 +59,14 @@ def _probe():
 
 # Under the interpreter triton.jit returns interpreted functions instead of JITFunctions.
 INTERPRETED = triton is not None and not isinstance(_probe, triton.runtime.JITFunction)
-# The interpreter cannot run inline PTX: it takes numpy's logarithm instead of the MUFU one.
-HARDWARE_LOG2 = constexpr(not INTERPRETED)
-# Exponent classes of (D2 + eps) ** ((p - 2) / 2): any p through log2 and exp2, or p = 1.5 and 2.5 (the paper's) as
-# square-root chains, two special-function operations instead of three. Each launch is compiled for one class.
-POWER_ANY, POWER_MINUS_QUARTER, POWER_QUARTER = constexpr(0), constexpr(1), constexpr(2)
-POWER_CLASSES = {1.5: 1, 2.5: 2}  # p -> POWER; any other p: POWER_ANY
+# The interpreter cannot run inline PTX: it takes numpy's functions instead (``_log2``, ``_reciprocal``).
+INLINE_PTX = constexpr(not INTERPRETED)
+# Exponent classes of (D2 + eps) ** ((p - 2) / 2), one compiled into each launch: any p through log2 and exp2, and
+# the paper's p = 1.5 and 2.5 (exponents -1/4 and 1/4) as square-root chains, two special-function operations
+# instead of three, each in a class of its own or both in one (two more instructions per score, each head's sign
+# read at run time).
+POWER_ANY, POWER_MINUS_QUARTER, POWER_QUARTER, POWER_QUARTERS = constexpr(0), constexpr(1), constexpr(2), constexpr(3)
+QUARTER_CLASSES = {1.5: 1, 2.5: 2}  # p -> its own class; both in one launch: POWER_QUARTERS
 # Passes of a kernel over its grid: the first (the distances' expansion alone; a forward block with close pairs stores
 # only its flag), the exact one over the blocks the forward flagged, or the exact one alone over every block (small
 # calls: one launch per kernel, no flags).
@@ -75,14 +77,15 @@ FIRST_PASS, EXACT_PASS, EXACT_ALONE = constexpr(0), constexpr(1), constexpr(2)
 
 
 @jit
-def program_ids(num_rows, head_start, run_heads, num_heads, head_mask, BLOCK: tl.constexpr, HEAVY_LAST: tl.constexpr):
-    """(row block, batch * H + head, whether the launch runs this head) of this program, for a run of heads head_start
-    ... + run_heads of which the launch runs those whose bit in ``head_mask`` is set (the heads of one p: the power's
-    class is a compile-time constant of each launch). The grid is 1-D (CUDA caps axes 1 and 2 at 65535) and starts the
-    longest loops first: a GPU starts programs in grid order, so that the short ones fill the last wave. The slabs
-    (batch, head) vary fastest, and the row blocks go from the heaviest to the lightest: the last first where the
-    loops grow with the block (HEAVY_LAST: query blocks under causal masking), else the first. The slab index is
-    int64, as B * H * N * d may pass 2^31."""
+def program_ids(num_rows, head_start, run_heads, num_heads, high_heads, exponent_low, exponent_high,
+                BLOCK: tl.constexpr, HEAVY_LAST: tl.constexpr):  # fmt: skip
+    """(row block, batch * H + head, the head's exponent (p - 2) / 2) of this program, for a run of heads head_start
+    ... + run_heads whose p takes at most two values: bit h of ``high_heads`` says that head head_start + h takes
+    ``exponent_high``. The grid is 1-D (CUDA caps axes 1 and 2 at 65535) and starts the longest loops first: a GPU
+    starts programs in grid order, so that the short ones fill the last wave. The slabs (batch, head) vary fastest, and
+    the row blocks go from the heaviest to the lightest: the last first where the loops grow with the block
+    (HEAVY_LAST: query blocks under causal masking), else the first. The slab index is int64, as B * H * N * d may
+    pass 2^31."""
     pid = tl.program_id(0)
     num_blocks = tl.cdiv(num_rows, BLOCK)
     slabs = tl.num_programs(0) // num_blocks
@@ -91,16 +94,17 @@ def program_ids(num_rows, head_start, run_heads, num_heads, head_mask, BLOCK: tl
         block = num_blocks - 1 - block
     slab = pid % slabs
     run_head = slab % run_heads
-    in_launch = ((head_mask >> run_head) & 1) != 0
-    return block, (slab // run_heads).to(tl.int64) * num_heads + head_start + run_head, in_launch
+    exponent = tl.where(((high_heads >> run_head) & 1) != 0, exponent_high, exponent_low)
+    return block, (slab // run_heads).to(tl.int64) * num_heads + head_start + run_head, exponent
 
 
 @jit
-def float32_scalars(scale_log2, exponent, eps):
+def float32_scalars(scale_log2, exponent_low, exponent_high, eps):
     """A launch's float arguments in float32. torch.compile's launcher may type Python floats as float64 (Inductor's
     signature of floats), which would carry float64 into every tile they touch and mismatch the matmuls' float32
     accumulators."""
-    return tl.cast(scale_log2, tl.float32), tl.cast(exponent, tl.float32), tl.cast(eps, tl.float32)
+    return (tl.cast(scale_log2, tl.float32), tl.cast(exponent_low, tl.float32), tl.cast(exponent_high, tl.float32),
+            tl.cast(eps, tl.float32))  # fmt: skip
 
 
 @jit
@@ -135,6 +139,14 @@ def load_vector(ptr, index, size, other, CHECK: tl.constexpr = True):
 
 
 @jit
+def squared_norms(Norms, index, size):
+    """The squared norms of a fixed block's values at ``index`` (0 where index >= size), from their float32 norms (one
+    ATen reduction before the forward); a loop tile's are squared inside ``distances``."""
+    norms = load_vector(Norms, index, size, 0.0)
+    return norms * norms
+
+
+@jit
 def store_rows(ptr, rows, num_rows, tile, COLS: tl.constexpr):
     """Stores the rows of ``tile`` that lie inside a contiguous (num_rows, COLS) matrix, in its dtype."""
     ptrs, col_in = row_ptrs(ptr, rows, COLS, tile.shape[1])
@@ -147,7 +159,7 @@ def store_rows(ptr, rows, num_rows, tile, COLS: tl.constexpr):
 
 @jit
 def _log2(x):
-    if HARDWARE_LOG2:  # MUFU.LG2; tl.log2 is libdevice's software logarithm, ~30 instructions
+    if INLINE_PTX:  # MUFU.LG2; tl.log2 is libdevice's software logarithm, ~30 instructions
         return tl.inline_asm_elementwise("lg2.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
                                          pack=1)  # fmt: skip
     else:
@@ -156,7 +168,7 @@ def _log2(x):
 
 @jit
 def _reciprocal(x):
-    if HARDWARE_LOG2:  # MUFU.RCP; 1 / x is a correctly rounded division, about 8 instructions
+    if INLINE_PTX:  # MUFU.RCP; 1 / x is a correctly rounded division, about 8 instructions
         return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
                                          pack=1)  # fmt: skip
     else:
@@ -167,15 +179,21 @@ def _reciprocal(x):
 def power(dist_eps, exponent, POWER: tl.constexpr):
     """P = dist_eps ** exponent and 1 / dist_eps, with approximate special functions (relative error ~2^-22). The
     paper's classes take square roots: rsqrt then sqrt for -1/4 (1 / dist_eps its square), two sqrt for 1/4 and a
-    reciprocal (the forward, which needs no 1 / dist_eps, drops it unused)."""
+    reciprocal; both in one launch, r = rsqrt(dist_eps) then P = sqrt(r * t) with t = dist_eps for 1/4 and 1 for -1/4,
+    one FMA from the head's sign (``rising``, 1.0 or 0.0, the same in all of a program's threads), and 1 / dist_eps =
+    r * r. The forward, which needs no 1 / dist_eps, drops it unused."""
     if POWER == POWER_ANY:
         log = _log2(dist_eps)
         return tl.exp2(exponent * log), tl.exp2(-log)
     elif POWER == POWER_MINUS_QUARTER:
         rsqrt = tl.rsqrt(dist_eps)
         return tl.sqrt(rsqrt), rsqrt * rsqrt
-    else:
+    elif POWER == POWER_QUARTER:
         return tl.sqrt(tl.sqrt(dist_eps)), _reciprocal(dist_eps)
+    else:
+        rsqrt = tl.rsqrt(dist_eps)
+        rising = tl.where(exponent > 0, 1.0, 0.0)
+        return tl.sqrt(rsqrt * (dist_eps * rising + (1.0 - rising))), rsqrt * rsqrt
 
 
 @jit
@@ -186,6 +204,19 @@ def class_exponent(exponent, POWER: tl.constexpr):
     elif POWER == POWER_QUARTER:
         exponent = 0.25
     return exponent
+
+
+@jit
+def runs_head(exponent, POWER: tl.constexpr):
+    """Whether a launch of this class runs a head of this exponent: a class of one sign runs the heads of its p (the
+    run's other heads are another launch's), the others every head of the run."""
+    if POWER == POWER_MINUS_QUARTER:
+        runs = exponent < 0
+    elif POWER == POWER_QUARTER:
+        runs = exponent > 0
+    else:
+        runs = True
+    return runs
 
 
 # ------------------------------------------------------------------------------------------------ exact matmuls
@@ -369,13 +400,14 @@ def any_set(flags):
 @jit
 def distances(query_side, key_side, bounds, V, rows, cols, num_keys, offset, eps, VALUE_DIM: tl.constexpr,
               MASKED: tl.constexpr, QUERY_AXIS: tl.constexpr, EXACT: tl.constexpr):  # fmt: skip
-    """D2 + eps of a tile from the squared norms and the values, the self-pair tile (all false where the loop split
-    excludes self pairs, MASKED false), and which rows of the tile (the fixed block's) have close pairs (int32 per row:
-    a loop accumulates them without reducing across warps in every tile). ``query_side`` and ``key_side`` are (values,
-    squared norms) of the tile's queries and keys; the fixed block's norms carry eps (added once per program, not in
-    the loop). Where queries are the fixed block (forward, dq) their values come as -2 v_x (``times_minus_two``), so
-    that the matmul accumulates -2 v_x.v_y onto the norms; dk/dv's fixed values also form G = dU V^T, so that it
-    scales the products instead. ``bounds`` are ``close_bounds``.
+    """D2 + eps of a tile from the norms and the values, the self-pair tile (all false where the loop split excludes
+    self pairs, MASKED false), and which rows of the tile (the fixed block's) have close pairs (int32 per row: a loop
+    accumulates them without reducing across warps in every tile). ``query_side`` and ``key_side`` are (values, norms)
+    of the tile's queries and keys: the fixed block's squared, with eps (once per program, not in the loop), the loop
+    tile's as they are, squared by the FMA that adds them to the fixed block's (a square per tile row would be repeated
+    in every thread that holds a score of it). Where queries are the fixed block (forward, dq) their values come as
+    -2 v_x (``times_minus_two``), so that the matmul accumulates -2 v_x.v_y onto the norms; dk/dv's fixed values also
+    form G = dU V^T, so that it scales the products instead. ``bounds`` are ``close_bounds``.
 
     The expansion's rounding, a few u (|v_x|^2 + |v_y|^2), would decide P where values nearly coincide: a tile with
     close pairs (CLOSE_PAIR) recomputes all its pairs by direct differences, one value coordinate at a time from
@@ -384,16 +416,18 @@ def distances(query_side, key_side, bounds, V, rows, cols, num_keys, offset, eps
     (the diagonal band, the partial ones) neither makes the tile recompute. Elsewhere the expansion is positive.
     Without EXACT the tile keeps the expansion and only reports its close pairs (the forward's first pass reads them,
     the backward's, whose blocks the forward has cleared, leave them unused)."""
-    v_query, sq_query = query_side
-    values, sq_keys = key_side
-    sq_sums = per_query(sq_query, QUERY_AXIS) + per_key(sq_keys, QUERY_AXIS)  # [BF, BL]
-    if QUERY_AXIS == 0:
+    v_query, query_norms = query_side
+    values, key_norms = key_side
+    if QUERY_AXIS == 0:  # the queries are the fixed block
+        loop_norms = per_key(key_norms, QUERY_AXIS)
+        sq_sums = tl.fma(loop_norms, loop_norms, per_query(query_norms, QUERY_AXIS))  # [BF, BL]
         dist_eps = pair_dot(v_query, values, QUERY_AXIS, sq_sums)
+        sq_query_eps = query_norms
     else:
+        loop_norms = per_query(query_norms, QUERY_AXIS)
+        sq_sums = tl.fma(loop_norms, loop_norms, per_key(key_norms, QUERY_AXIS))  # [BF, BL]
         dist_eps = sq_sums - 2 * pair_dot(v_query, values, QUERY_AXIS)
-    sq_query_eps = sq_query
-    if QUERY_AXIS == 1:
-        sq_query_eps += eps
+        sq_query_eps = query_norms * query_norms + eps
     is_self = per_key(cols, QUERY_AXIS) == per_query(rows, QUERY_AXIS) + offset
     if MASKED:
         inside = (per_query(rows, QUERY_AXIS) < num_keys - offset) & (per_key(cols, QUERY_AXIS) < num_keys)

@@ -10,16 +10,18 @@ the GPUs that run its table (triton_configs.FAMILY_TABLES: sm_120 runs the 8.x t
 spills at most 4 KB per thread); registers and spills are printed. Triton's cache points at a new directory, so that
 nothing compiled before can hide a failure; the compilation starts with the first attention test (conftest.py).
 
-By default a sample (``SAMPLE``, 186 kernel passes): on sm_80 and sm_90 every padded head size each dtype is admitted
+By default a sample (``SAMPLE``, 204 kernel passes): on sm_80 and sm_90 every padded head size each dtype is admitted
 at, every kernel and pass of each dtype, each side of every branch (causal, a sliding window, key padding, packed
-documents, euler, the power's three classes, lengths that are not multiples of 16, Nq < Nk, a value size of its own)
-and the configuration that failed on an H200; on sm_100 (its own table) the first passes at every padded head size of
-each dtype and every pass at head size 256; on sm_120 every pass at head size 256 and a few first passes.
-``-m kernels`` compiles the full matrix (``FULL_MATRIX``, about 8,600 kernels, one child process per core): every
+documents, euler, each class of the power, one p and two in a launch, lengths that are not multiples of 16, Nq < Nk,
+a value size of its own) and the configuration that failed on an H200; the paper's two p in one launch of the exact
+passes alone (small calls) on every architecture; on sm_100 (its own table) the first passes at every padded head size
+of each dtype and every pass at head size 256; on sm_120 every pass at head size 256 and a few first passes.
+``-m kernels`` compiles the full matrix (``FULL_MATRIX``, about 9,100 kernels, one child process per core): every
 head size from 16 to 256 with every branch on sm_80, sm_86, sm_87, sm_89, sm_90, sm_100, sm_103, sm_120 and sm_121;
 at head sizes 64 and 128 on sm_80 and sm_90 every combination of the flags (causal ones with and without a sliding
 window) with each p set; at head size 256 on sm_80, sm_90, sm_100 and sm_120, and at 64 and 128 on sm_100 and sm_120,
-each flag alone, none and all, with each power class.
+each flag alone, none and all, with each power class; the paper's mix in one launch of the exact passes alone at head
+sizes 16 to 256 on every architecture.
 ``PLAT_AOT_TRITON=<folder>`` compiles with the Triton installed in that folder instead of this machine's
 (tools/kernels/README.md).
 """
@@ -31,6 +33,8 @@ import torch
 
 from modeling_plat import plap_attention_triton as triton_module
 from modeling_plat import triton_configs
+from modeling_plat.plap_attention_triton import launch_groups
+from modeling_plat.triton_tiles import POWER_ANY, POWER_MINUS_QUARTER, POWER_QUARTER, POWER_QUARTERS
 from triton_aot import KERNELS, case_id, case_kernels, case_p
 
 pytestmark = pytest.mark.skipif(triton_module.triton is None, reason="triton is not installed")
@@ -40,10 +44,12 @@ SAMPLE_ARCHS = (80, 90)  # every property of the sample below on each; sm_100 an
 # Every architecture whose GPUs run the kernels (triton_configs.SHARED_MEMORY_LIMIT), in the full matrix.
 MATRIX_ARCHS = (80, 86, 87, 89, 90, 100, 103, 120, 121)
 FIRST_PASSES = ("fwd", "dkdv", "dq")
+EXACT_PASSES = ("fwd_exact", "dkdv_exact", "dq_exact")
 FLAGS = ("is_causal", "key_mask", "euler", "documents")
 ALL_ON, ALL_OFF = dict.fromkeys(FLAGS, True), dict.fromkeys(FLAGS, False)
 CAUSAL = dict(ALL_OFF, is_causal=True)
-# The power has three classes (p = 1.5, 2.5, any other p), each compiled into the launches of its heads.
+# The power's classes (any p, p = 1.5, p = 2.5, and both of these in one launch where a call's exact pass runs alone),
+# one compiled into each launch, whose heads take at most two p.
 PAPER_MIX = [1.5, 2.5, 2.5]
 OTHER_MIX = [2.5, 3.0, 3.0]
 UNEVEN = (197, 250)  # Nq < Nk, neither a multiple of 16
@@ -65,12 +71,13 @@ def admitted(case):
 
 
 def make_case(arch, dtype, head_dim, value_dim=None, flags=ALL_ON, p=1.5, lengths=(256, 256), kernels=KERNELS,
-              window=0):  # fmt: skip
-    """A case of triton_aot; packed rows have as many queries as keys; ``window`` a causal sliding window's size."""
+              window=0, alone=False):  # fmt: skip
+    """A case of triton_aot; packed rows have as many queries as keys; ``window`` a causal sliding window's size;
+    ``alone``: each kernel's exact pass alone (small calls), its ``EXACT_PASSES``."""
     num_queries, num_keys = lengths
     return dict(arch=arch, dtype=dtype, head_dim=head_dim, value_dim=value_dim or head_dim, **flags, p=p,
                 num_queries=num_queries, num_keys=num_queries if flags["documents"] else num_keys,
-                kernels=kernels, window=window)  # fmt: skip
+                kernels=EXACT_PASSES if alone else kernels, window=window, alone=alone)  # fmt: skip
 
 
 def sample_cases(arch):
@@ -79,6 +86,10 @@ def sample_cases(arch):
         # under causal masking alone, where the first passes run under their register cap.
         make_case(arch, "bfloat16", 64, flags=CAUSAL, p=PAPER_MIX, kernels=FIRST_PASSES),
         make_case(arch, "bfloat16", 128, flags=CAUSAL, p=PAPER_MIX, kernels=FIRST_PASSES),
+        # The exact passes alone of a small call, the paper's two p in one launch: the paper LM's head size under
+        # causal masking, and every branch.
+        make_case(arch, "bfloat16", 16, flags=CAUSAL, p=PAPER_MIX, alone=True),
+        make_case(arch, "bfloat16", 64, p=PAPER_MIX, alone=True),
         # As torch.compile's launcher types them (Python floats as float64): the kernels take their floats in float32.
         dict(make_case(arch, "bfloat16", 16, flags=CAUSAL, p=PAPER_MIX, kernels=FIRST_PASSES), float64_scalars=True),
         # A sliding window (Mistral's, Gemma's): its loop bounds and the window's edge in the masked tiles.
@@ -114,6 +125,7 @@ def blackwell_cases():
         make_case(100, "bfloat16", 256, flags=dict(ALL_ON, euler=False), window=100),
         *(make_case(100, dtype, d, flags=ALL_OFF, lengths=UNEVEN, kernels=FIRST_PASSES) for dtype, d in every_bucket),
         make_case(120, "bfloat16", 256, p=OTHER_MIX),
+        *(make_case(arch, "bfloat16", 64, p=PAPER_MIX, alone=True) for arch in (100, 120)),
         make_case(120, "float16", 128, flags=CAUSAL, kernels=FIRST_PASSES),
         make_case(120, "float32", 64, kernels=FIRST_PASSES),
     ]
@@ -140,7 +152,12 @@ def full_matrix():
                    if (flags["is_causal"] or not window) and (d == 256 or arch >= 100)]  # fmt: skip
     every_branch_8x = [make_case(arch, dtype, 64, flags=flags, lengths=UNEVEN)
                        for arch, dtype, flags in itertools.product((86, 89), DTYPES, flag_sets)]  # fmt: skip
-    unique = {case_id(case): case for case in every_size + every_branch + each_branch + every_branch_8x if admitted(case)}
+    # The paper's mix in one launch (the exact passes alone of small calls): every branch, and causal with a window.
+    merged = [make_case(arch, dtype, d, flags=flags, p=PAPER_MIX, lengths=UNEVEN, window=window, alone=True)
+              for arch, dtype, d, (flags, window) in itertools.product(
+                  MATRIX_ARCHS, DTYPES, (16, 64, 128, 256), ((ALL_ON, 0), (CAUSAL, 100)))]  # fmt: skip
+    cases = every_size + every_branch + each_branch + every_branch_8x + merged
+    unique = {case_id(case): case for case in cases if admitted(case)}
     return list(unique.values())
 
 
@@ -224,9 +241,9 @@ def test_sample_takes_each_side_of_every_branch(arch):
     cases = [case for case in SAMPLE if case["arch"] == arch]
     for flag in FLAGS:
         assert {case[flag] for case in cases} == {False, True}, flag
-    classes = [{1.5: "1.5", 2.5: "2.5"}.get(p, "other") for case in cases for p in set(case_p(case))]
-    assert set(classes) == {"1.5", "2.5", "other"}
-    assert {len(set(case_p(case))) for case in cases} == {1, 2}  # one p, and a run of heads with two (two launches)
+    classes = {launch[2] for case in cases for launch in launch_groups(case_p(case), case["alone"])}
+    assert classes == {int(power) for power in (POWER_ANY, POWER_MINUS_QUARTER, POWER_QUARTER, POWER_QUARTERS)}
+    assert {len(set(case_p(case))) for case in cases} == {1, 2}
     assert {bool(case["window"]) for case in cases} == {False, True}
     assert {case["num_queries"] % 16 == 0 for case in cases} == {False, True}
     assert any(case["num_queries"] < case["num_keys"] for case in cases)

@@ -16,6 +16,7 @@ from transformers.testing_utils import CaptureLogger
 
 from modeling_plat import plap_attention_triton as triton_module
 from modeling_plat import triton_configs
+from modeling_plat import triton_tiles as tiles
 from modeling_plat import plap_dispatch
 from modeling_plat.plap_dispatch import choose_backend, plap_attention
 from test_triton_compile import SAMPLE
@@ -216,26 +217,33 @@ def test_a_launch_failure_names_the_configuration(monkeypatch):
     assert isinstance(failure.value.__cause__, OutOfResources)
 
 
+@pytest.mark.parametrize("merge_quarters", [False, True])
 @pytest.mark.parametrize(
     "p",
-    [(1.5,) * 4 + (2.5,) * 4, (1.5, 2.5, 3.0, 3.0, 1.5), (1.5,) * 20 + (2.5,) * 20, (1.1, 1.5, 2.0, 2.5, 3.0), (2.5,)],
-)
-def test_launch_groups_cover_every_head_once_with_its_p(p):
-    """Every head runs in exactly one launch, the one of its p; a launch's heads lie in one run of consecutive heads
-    with at most two values of p and at most MAX_LAUNCH_HEADS heads."""
-    launches = triton_module.launch_groups(p)
-    ran = {}
-    for first, end, value, head_mask in launches:
-        assert end - first <= triton_module.MAX_LAUNCH_HEADS and -(2**31) <= head_mask < 2**31  # an int32
-        assert len({p[h] for h in range(first, end)}) <= 2
+    [(1.5,) * 4 + (2.5,) * 4, (1.5, 2.5, 3.0, 3.0, 1.5), (1.5,) * 20 + (2.5,) * 20, (1.1, 1.5, 2.0, 2.5, 3.0), (2.5,),
+     (3.0,) * 33],
+)  # fmt: skip
+def test_launch_groups_cover_every_head_once_with_its_p(p, merge_quarters):
+    """Every head runs in exactly one launch, which gives it its p (the high one where its bit is set); a launch's
+    heads are at most MAX_LAUNCH_HEADS consecutive ones with at most two values of p. The paper's two p take a class
+    each (whose launch runs its p's heads), or both one where ``merge_quarters``; any other p the general class."""
+    classes = {int(tiles.POWER_ANY): None, int(tiles.POWER_MINUS_QUARTER): 1.5, int(tiles.POWER_QUARTER): 2.5,
+               int(tiles.POWER_QUARTERS): None}  # the p a class's launch runs, None: every p of the run  # fmt: skip
+    ran = []
+    for first, end, power, low, high, high_heads in triton_module.launch_groups(p, merge_quarters):
+        assert end - first <= triton_module.MAX_LAUNCH_HEADS and -(2**31) <= high_heads < 2**31  # an int32
+        assert {p[h] for h in range(first, end)} == {low, high}
+        assert (power == int(tiles.POWER_ANY)) == (not {low, high} <= {1.5, 2.5})
+        assert (power == int(tiles.POWER_QUARTERS)) == (merge_quarters and {low, high} == {1.5, 2.5})
         for h in range(first, end):
-            if (head_mask >> (h - first)) & 1:
-                assert h not in ran and p[h] == value
-                ran[h] = value
+            assert p[h] == (high if (high_heads >> (h - first)) & 1 else low)
+            if classes[power] in (None, p[h]):
+                ran.append(h)
     assert sorted(ran) == list(range(len(p)))
 
 
-ALLOCATIONS = {"empty", "empty_like", "new_empty", "detach"}
+NEW_TENSORS = {"empty", "empty_like", "new_empty"}
+VIEWS = {"detach", "select"}
 
 
 class OpNames(TorchDispatchMode):
@@ -254,11 +262,11 @@ class OpNames(TorchDispatchMode):
 @pytest.mark.parametrize("formulation", ["paper", "euler"])
 @pytest.mark.parametrize("pairs_over_limit", [0, 1])
 def test_a_call_runs_the_kernels_and_allocations_only(monkeypatch, formulation, pairs_over_limit):
-    """The host work of a bfloat16 forward + backward, launches recorded instead of run: the values' squared norms
-    (a norm and its square), each kernel's two passes (forward, dQ, dK/dV) or, up to ONE_PASS_PAIRS, its exact pass
-    alone, for each of the two p, and no other tensor operation but allocations and views: no cast, row statistic,
-    zero gradient or flag fill (the first pass zeroes the flags it needs zeroed), each of which is a kernel and its
-    host time on a GPU."""
+    """The host work of a bfloat16 forward + backward, launches recorded instead of run: the values' norms (one
+    reduction; the kernels square them), each kernel's two passes (forward, dQ, dK/dV) or, up to ONE_PASS_PAIRS, its
+    exact pass alone with both p in one launch, and no other tensor operation but allocations and views: no cast,
+    square, row statistic, zero gradient or flag fill (the first pass zeroes the flags it needs zeroed), each of which
+    is a kernel and its host time on a GPU."""
     launches = []
     monkeypatch.setattr(triton_module, "_run", lambda launch, query, value: launches.append(
         (launch.kernel.__name__, bool(launch.meta["PASS"]))))  # fmt: skip
@@ -270,37 +278,41 @@ def test_a_call_runs_the_kernels_and_allocations_only(monkeypatch, formulation, 
         out = plap_attention(q, k, v, (1.5, 1.5, 2.5, 2.5), is_causal=True, backend="triton", formulation=formulation)
         grads = torch.autograd.grad(out, (q, k, v), grad)
     passes = (False, True) if pairs_over_limit else (True,)
-    assert launches == [(f"plap_{kernel}_kernel", exact) for kernel in ("forward", "dq", "dkdv") for _ in (1.5, 2.5)
-                        for exact in passes]  # fmt: skip
-    computed = [name for name in ops.names if name not in ALLOCATIONS]
-    assert computed == ["linalg_vector_norm", "pow_"], ops.names
+    launches_per_pass = 2 if pairs_over_limit else 1  # one per p, or both p in one launch
+    assert launches == [(f"plap_{kernel}_kernel", exact) for kernel in ("forward", "dq", "dkdv")
+                        for _ in range(launches_per_pass) for exact in passes]  # fmt: skip
+    computed = [name for name in ops.names if name not in NEW_TENSORS | VIEWS]
+    assert computed == ["linalg_vector_norm"], ops.names
+    # out, the row statistics (one tensor: lse, and euler's own weights), two flag tensors; delta (and euler's own dot
+    # products), dq, dk, dv and dv's query side
+    assert sum(name in NEW_TENSORS for name in ops.names) == 9 + (formulation == "euler"), ops.names
     assert [g.dtype for g in grads] == [torch.bfloat16] * 3
 
 
-def test_the_paper_mix_is_one_launch_per_power_class():
-    """Each kernel pass runs once for the p = 1.5 heads and once for the p = 2.5 heads, interleaved as they may be:
-    the power's square-root chain is a compile-time constant of each launch, whose grid covers every head of the run
-    and whose programs of the other p's heads leave at once."""
+@pytest.mark.parametrize("alone", [True, False])
+def test_the_paper_mix_is_one_launch_per_kernel_pass_of_small_calls(alone):
+    """The p = 1.5 and p = 2.5 heads, interleaved as they may be, run in one launch of each kernel's exact pass alone
+    (small calls), with both square-root chains, or in one launch per p of each of the two passes of larger calls,
+    each with its own chain. Every launch's grid covers the run of heads, whose programs take their head's exponent
+    from the launch's bit mask (and leave where their p is the other launch's)."""
     batch, heads, length, head_dim = 2, 8, 100, 16
     p = (1.5, 2.5, 2.5, 1.5, 1.5, 2.5, 1.5, 2.5)
     query = torch.zeros(batch, heads, length, head_dim)
-    stats, sq_norms = torch.zeros(batch, heads, length), torch.zeros(batch, heads, length)
-    flags = (p, True, 1e-6, False, triton_configs.INTERPRETER_CONFIG)
+    stats, norms = torch.zeros(batch, heads, length), torch.zeros(batch, heads, length)
+    flags = (p, True, 1e-6, False, triton_configs.INTERPRETER_CONFIG, alone)
     exact_blocks = [torch.zeros(n) for n in triton_module.exact_block_counts(query, query,
                                                                              triton_configs.INTERPRETER_CONFIG)]
-    forward = triton_module.forward_launches(query, query, query, sq_norms, None, None, query, stats, stats,
+    forward = triton_module.forward_launches(query, query, query, norms, None, None, query, stats, stats,
                                              exact_blocks, *flags)  # fmt: skip
-    backward = triton_module.backward_launches(query, query, query, sq_norms, None, None, query, query, stats, stats,
+    backward = triton_module.backward_launches(query, query, query, norms, None, None, query, query, stats, stats,
                                                stats, stats, query, query, query, query, exact_blocks,
                                                *flags)  # fmt: skip
-    # Bit h: head h runs in the launch of that class.
-    masks = {1: sum(1 << h for h in range(heads) if p[h] == 1.5), 2: sum(1 << h for h in range(heads) if p[h] == 2.5)}
-    launched = [(launch.kernel.__name__, launch.meta["POWER"], bool(launch.meta["PASS"])) for launch in forward + backward]
-    assert launched == [
-        (f"plap_{kernel}_kernel", power, exact) for kernel in ("forward", "dq", "dkdv") for power in (1, 2)
-        for exact in (False, True)
-    ]  # fmt: skip
+    launched = [(launch.kernel.__name__, launch.meta["POWER"], launch.meta["PASS"]) for launch in forward + backward]
+    classes = [tiles.POWER_QUARTERS] if alone else [tiles.POWER_MINUS_QUARTER, tiles.POWER_QUARTER]
+    passes = [tiles.EXACT_ALONE] if alone else [tiles.FIRST_PASS, tiles.EXACT_PASS]
+    assert launched == [(f"plap_{kernel}_kernel", power, exact) for kernel in ("forward", "dq", "dkdv")
+                        for power in classes for exact in passes]  # fmt: skip
     for launch in forward + backward:
-        assert launch.args[-2] == masks[launch.meta["POWER"]]  # the head mask, before eps
-        assert launch.args[-3] == (1.5 if launch.meta["POWER"] == 1 else 2.5) / 2 - 1  # (p - 2) / 2
+        # (p - 2) / 2 of the low and high p, then bit h set where head h takes the high one, before eps
+        assert launch.args[-4:-1] == (-0.25, 0.25, sum(1 << h for h in range(heads) if p[h] == 2.5))
         assert launch.grid == (2 * batch * heads,)  # two 64-row blocks per head, every head

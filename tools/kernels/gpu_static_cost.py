@@ -208,17 +208,24 @@ def plat_launches(triton_module, case, p):
     return {name: launch for name, launch in launches(triton_module, dict(case, p=p)) if name in KERNEL_ORDER}
 
 
+def analyse_once(launch, arch, cache):
+    """``analyse`` once per kernel and compile-time arguments (``cache`` a dict): launches that differ in their other
+    arguments only (heads of other p of one power class) share a compiled kernel, which Triton's cache would hand back
+    without a compile log."""
+    key = (launch.kernel.__name__, arch, tuple(sorted(launch.meta.items())))
+    if key not in cache:
+        cache[key] = analyse(launch, arch)
+    return cache[key]
+
+
 def run_case(case, cache):
     """The kernels of one case: per kernel its analysis, averaged over the paper mix for the plat kernels."""
     from flash_baseline_kernel import baseline_launch
 
     from modeling_plat import plap_attention_triton as triton_module
 
-    def memo(launch):  # kernels that the p classes share are compiled once
-        key = (launch.kernel.__name__, case["arch"], tuple(sorted(launch.meta.items())))
-        if key not in cache:
-            cache[key] = analyse(launch, case["arch"])
-        return cache[key]
+    def memo(launch):
+        return analyse_once(launch, case["arch"], cache)
 
     kernels = collections.defaultdict(list)
     for p in PAPER_MIX:

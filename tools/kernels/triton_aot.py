@@ -37,14 +37,14 @@ ROOT = Path(__file__).resolve().parents[2]
 TRITON_FOLDER_VARIABLE = "PLAT_AOT_TRITON"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Each attention kernel's first pass (the distances' expansion alone), and its exact pass (close pairs by direct
-# differences) as <name>_exact.
+# differences), or that pass alone (a case's ``alone``), as <name>_exact.
 KERNELS = ("fwd", "fwd_exact", "dq", "dq_exact", "dkdv", "dkdv_exact")
 
 
 def case_kernels(case):
     """The kernels compiled for a case: ``kernels`` if it names some, else all."""
     return tuple(case.get("kernels", KERNELS))
-DEFAULT_P = 1.5  # the paper's p < 2; p = 2.5 and any other p compile other powers
+DEFAULT_P = 1.5  # the paper's p < 2; the paper's mix (1.5 and 2.5) compiles the same power, any other p another
 HEADS = 3  # of the small inputs a case is compiled for
 
 
@@ -59,6 +59,7 @@ def case_id(case):
                                           ("packed-", case.get("documents"))) if on)  # fmt: skip
     window = f"window{case['window']}-" if case.get("window") else ""
     window += "float64-scalars-" if case.get("float64_scalars") else ""
+    window += "alone-" if case.get("alone") else ""
     return (
         f"sm{case['arch']}-{case['dtype']}-d{case['head_dim']}-dv{case['value_dim']}-{flags}{window}"
         f"{'euler' if case['euler'] else 'paper'}-p{'+'.join(f'{p:g}' for p in sorted(set(case_p(case))))}"
@@ -69,8 +70,9 @@ def case_id(case):
 
 def launches(triton_module, case):
     """The (name, Launch) of the kernels for a case, on CPU tensors shaped as a small real input: three heads with
-    the case's p (at most two values, each its own launch of every kernel pass, under the same name); ``window``, when
-    a case gives one, is a causal sliding window's size."""
+    the case's p (at most two values: the paper's two are a launch each, under the same name, or one launch of the
+    exact pass alone where a case sets ``alone``, as small calls run it); ``window``, when a case gives one, is a
+    causal sliding window's size."""
     batch, heads = 2, HEADS
     dtype = DTYPES[case["dtype"]]
     nq, nk, d, dv = case["num_queries"], case["num_keys"], case["head_dim"], case["value_dim"]
@@ -79,7 +81,7 @@ def launches(triton_module, case):
     value = torch.zeros(batch, heads, nk, dv, dtype=dtype)
     out = torch.zeros(batch, heads, nq, dv, dtype=dtype)
     stats = torch.zeros(batch, heads, nq)  # lse, own weight, delta, own dot
-    sq_norms = torch.zeros(batch, heads, nk)
+    norms = torch.zeros(batch, heads, nk)
     key_keep = torch.ones(batch, nk, dtype=torch.int8) if case["key_mask"] else None
     documents = torch.zeros(batch, nk, 3, dtype=torch.int32) if case.get("documents") else None
     # dq, dk, dv, and dv's query side in float32
@@ -88,11 +90,11 @@ def launches(triton_module, case):
     flags = (case_p(case), case["is_causal"], 1e-6, case["euler"], config)
     exact_blocks = [torch.zeros(count, dtype=torch.int32) for count in
                     triton_module.exact_block_counts(query, key, config)]  # fmt: skip
-    window = case.get("window", 0)
-    forward = triton_module.forward_launches(query, key, value, sq_norms, key_keep, documents, out, stats, stats,
-                                             exact_blocks, *flags, window=window)  # fmt: skip
-    backward = triton_module.backward_launches(query, key, value, sq_norms, key_keep, documents, out, out, stats,
-                                               stats, stats, stats, *grads, exact_blocks, *flags,
+    window, alone = case.get("window", 0), case.get("alone", False)
+    forward = triton_module.forward_launches(query, key, value, norms, key_keep, documents, out, stats, stats,
+                                             exact_blocks, *flags, exact_only=alone, window=window)  # fmt: skip
+    backward = triton_module.backward_launches(query, key, value, norms, key_keep, documents, out, out, stats,
+                                               stats, stats, stats, *grads, exact_blocks, *flags, exact_only=alone,
                                                window=window)  # fmt: skip
     return [(kernel_name(triton_module, launch), launch) for launch in (*forward, *backward)]
 
@@ -145,8 +147,9 @@ def compile_with_log(launch, arch, float64_scalars=False):
 
 
 def compile_case(triton_module, case):
-    """One result dict per kernel of the case: where its two p make two launches of a kernel pass, their largest
-    shared memory, registers and spills (each launch's in ``launches``), or the first error."""
+    """One result dict per kernel of the case: where its heads make several launches of a kernel pass
+    (``plap_attention_triton.launch_groups``), their largest shared memory, registers and spills (each launch's in
+    ``launches``), or the first error."""
     results = {}
     for name, launch in launches(triton_module, case):
         if name not in case_kernels(case):

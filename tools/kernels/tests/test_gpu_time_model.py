@@ -91,7 +91,8 @@ if triton_module.INTERPRETED:
     @triton.jit
     def _program_ids_kernel(Out, num_rows, head_start, run_heads, num_heads, BLOCK: tl.constexpr,
                             HEAVY_LAST: tl.constexpr):  # fmt: skip
-        block, slab, _ = triton_tiles.program_ids(num_rows, head_start, run_heads, num_heads, -1, BLOCK, HEAVY_LAST)
+        block, slab, _ = triton_tiles.program_ids(num_rows, head_start, run_heads, num_heads, 0, -0.25, 0.25, BLOCK,
+                                                  HEAVY_LAST)  # fmt: skip
         pid = tl.program_id(0)
         tl.store(Out + 2 * pid, block)
         tl.store(Out + 2 * pid + 1, slab.to(tl.int32))
@@ -117,9 +118,9 @@ def test_auxiliary_bytes_count_the_host_tensor_operations(model, two_passes):
     forward, backward = model.auxiliary_bytes(triton_module, batch, heads, tokens, head_dim, [1.5, 1.5, 2.5, 2.5])
     elements = batch * heads * tokens * head_dim
     rows = elements // head_dim
-    # The forward's squared norms: the norms from one read of the bf16 values, one float32 per row written, then
-    # squared in place (read and written); its first pass zeroes the key tiles' flags itself.
-    assert forward == elements * 2 + rows * 4 + rows * 4 * 2
+    # The forward's norms: one read of the bf16 values, one float32 per row written (the kernels square them); its
+    # first pass zeroes the key tiles' flags itself.
+    assert forward == elements * 2 + rows * 4
     # None in the backward: the dQ kernel computes D = rowsum(dU * U), and dK/dV's stores dV in the values' dtype.
     assert backward == 0
 
