@@ -255,8 +255,8 @@ def _masks(norms, key_keep, documents):
 
 def value_norms(value):
     """(..., N) float32 norms of the rows of ``value`` (..., N, C), from one read of them; the kernels square them
-    (``triton_tiles.squared_norms``), each square within about 1.5 u of the float32 sum of its exact squares
-    (docs/numerics.md)."""
+    (``triton_tiles.squared_norms`` and ``distances``), each square within about 1.5 u of the float32 sum of its exact
+    squares (docs/numerics.md)."""
     return torch.linalg.vector_norm(value, dim=-1, dtype=torch.float32)
 
 
