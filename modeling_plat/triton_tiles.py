@@ -66,7 +66,7 @@ INLINE_PTX = constexpr(not INTERPRETED)
 # instead of three, each in a class of its own or both in one (two more instructions per score, each head's sign
 # read at run time).
 POWER_ANY, POWER_MINUS_QUARTER, POWER_QUARTER, POWER_QUARTERS = constexpr(0), constexpr(1), constexpr(2), constexpr(3)
-QUARTER_CLASSES = {1.5: 1, 2.5: 2}  # p -> its own class; both in one launch: POWER_QUARTERS
+QUARTER_CLASSES = {1.5: POWER_MINUS_QUARTER, 2.5: POWER_QUARTER}  # each p's own class; both at once: POWER_QUARTERS
 # Passes of a kernel over its grid: the first (the distances' expansion alone; a forward block with close pairs stores
 # only its flag), the exact one over the blocks the forward flagged, or the exact one alone over every block (small
 # calls: one launch per kernel, no flags).
