@@ -14,6 +14,10 @@ from modeling_plat import PlatConfig, PlatForCausalLM, PlatForImageClassificatio
 ROOT = Path(__file__).resolve().parents[1]
 ACCELERATE_CONFIGS = ROOT / "configuration/accelerate"
 
+# transformers' own decoders with attn_implementation="plap": a tiny config that every family's class takes, token ids
+# 0-2 special.
+TINY_DECODER = dict(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 # run_clm.py on a tiny fresh model and a few lines of text (write_lines).
 BLOCK = 16
 TINY_MODEL = ["--model_type", "plat", "--config_overrides",

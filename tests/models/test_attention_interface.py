@@ -44,9 +44,8 @@ from device import DEVICE
 from modeling_plat import PlatForImageClassification
 from modeling_plat.attention_interface import plap_mask
 from modeling_plat.convert import convert_to_plat
+from tiny import TINY_DECODER as DECODER
 
-DECODER = dict(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-               num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 8}
 LENGTH = 10  # longer than every sliding window below, and than llama3 rope's original context

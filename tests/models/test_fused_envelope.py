@@ -9,7 +9,7 @@ padding, a sliding window shorter than the input, Gemma 3 (head size 256, altern
 
 import pytest
 import torch
-from tiny import lm
+from tiny import TINY_DECODER, lm
 from transformers import (
     DataCollatorWithFlattening,
     Gemma3ForCausalLM,
@@ -30,8 +30,7 @@ from modeling_plat import plap_dispatch
 from modeling_plat.plap_attention_decode import DECODE_MAX_QUERIES
 
 GPUS = {"A100": (8, 0), "H100": (9, 0), "B200": (10, 0), "RTX 5090": (12, 0)}
-DECODER = dict(vocab_size=61, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-               num_key_value_heads=2, max_position_embeddings=128, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+DECODER = dict(TINY_DECODER, hidden_size=64, intermediate_size=96, max_position_embeddings=128)  # head size 16
 LENGTH = 40
 
 
