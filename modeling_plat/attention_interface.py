@@ -40,8 +40,9 @@ def plap_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_fun
 
     A plain causal or bidirectional pattern, or a causal sliding window, becomes None or a (B, 1, 1, Nk) key-padding
     mask, the module's ``is_causal`` and the ``sliding_window`` that transformers passes to the attention function
-    adding the rest: the fused kernels take those, not a (B, 1, Nq, Nk) mask. Any other pattern (chunks, packed rows,
-    overlays) is transformers' own ``sdpa_mask``. p-LaT weighs each key by its value's
+    adding the rest: the fused kernels take those, not a (B, 1, Nq, Nk) mask. A causal chunked pattern (Llama 4)
+    becomes its chunks (``_chunk_mask``). Any other pattern (overlays, a chunked cache's multi-token steps) is
+    transformers' own ``sdpa_mask``. p-LaT weighs each key by its value's
     distance to the query's own value, which it finds at the bottom-right diagonal: cross-attention, and a static
     cache (which hands back its whole fixed length, empty slots included), are refused.
     """
@@ -55,14 +56,53 @@ def plap_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_fun
     plain = base in (causal_mask_function, bidirectional_mask_function)
     skip = allow_is_causal_skip or base is not mask_function  # transformers clears the flag for packed rows
     if skip and (plain or _is_sliding_window(base, kwargs.get("local_size"))):
-        padding = prepare_padding_mask(attention_mask, kv_length, kv_offset)  # (B, kv_offset + Nk) or None
-        if padding is not None:
-            padding = padding[:, kv_offset : kv_offset + kv_length]  # a sliding cache's keys start at kv_offset
-        if padding is None or (not torch.compiler.is_compiling() and bool(padding.all())):
-            return None
-        return padding[:, None, None, :]  # (B, 1, 1, Nk)
+        return _key_padding(attention_mask, kv_length, kv_offset)
+    if skip and _is_chunked(base) and q_length in (1, kv_length):
+        return _chunk_mask(mask_function, attention_mask, batch_size, q_length, kv_length, kv_offset,
+                           kwargs.get("device"))
     return sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function=mask_function,
                      attention_mask=attention_mask, allow_is_causal_skip=allow_is_causal_skip, **kwargs)  # fmt: skip
+
+
+def _key_padding(attention_mask, kv_length, kv_offset):
+    """(B, 1, 1, Nk) bool of the keys that are not padding, or None where every key is real."""
+    padding = prepare_padding_mask(attention_mask, kv_length, kv_offset)  # (B, kv_offset + Nk) or None
+    if padding is not None:
+        padding = padding[:, kv_offset : kv_offset + kv_length]  # a sliding cache's keys start at kv_offset
+    if padding is None or (not torch.compiler.is_compiling() and bool(padding.all())):
+        return None
+    return padding[:, None, None, :]
+
+
+def _is_chunked(mask_function):
+    """Whether ``mask_function`` is transformers' causal chunked pattern: ``and_masks(chunked_overlay(size,
+    left_padding), causal_mask_function)``, keys in the query's own chunk and not after it."""
+    parts = _closure_value(mask_function, "mask_functions") if mask_function.__name__ == "and_mask" else None
+    return (bool(parts) and len(parts) == 2 and parts[0].__qualname__.startswith("chunked_overlay.")
+            and parts[1] is causal_mask_function)  # fmt: skip
+
+
+def _chunk_mask(mask_function, attention_mask, batch_size, q_length, kv_length, kv_offset, device):
+    """A causal chunked pattern as a (B, 1, 1, Nk) mask. Within each chunk it is causal attention, as within a packed
+    document: a chunk starts at each key that the query at its own position may not see from the key before it (the
+    chunk size, each row's left padding and packed rows' documents all decide where, inside ``mask_function``).
+    For as many queries as keys the mask holds each key's chunk, counted from 0 in each row, and -1 for padding:
+    ``plap_attention_forward`` passes them as the document ids whose spans the kernels visit, so that the cost is
+    that of the chunks, not of the causal square. For one query (decoding), the bool mask of the real keys in its
+    chunk. None where every key is real and in one chunk (plain causal attention)."""
+    padding = _key_padding(attention_mask, kv_length, kv_offset)
+    keys = torch.arange(kv_offset + 1, kv_offset + kv_length, device=device)[None]  # (1, Nk - 1)
+    rows = torch.arange(batch_size, device=device)[:, None]
+    starts = ~mask_function(rows, 0, keys, keys - 1)  # (B, Nk - 1)
+    if not torch.compiler.is_compiling() and not bool(starts.any()):
+        return padding
+    chunks = torch.cat([starts.new_zeros(batch_size, 1), starts], 1).cumsum(-1)  # (B, Nk)
+    if q_length == 1:
+        same = chunks == chunks[:, -1:]
+        return (same if padding is None else same & padding[:, 0, 0])[:, None, None, :]
+    if padding is not None:
+        chunks = chunks.masked_fill(~padding[:, 0, 0], -1)
+    return chunks[:, None, None, :]
 
 
 def _without_packing(mask_function):
@@ -162,6 +202,20 @@ def plap_settings(module, num_heads):
     return known[1]
 
 
+def _is_chunk_mask(attention_mask, is_causal, num_queries, num_keys):
+    """Whether ``attention_mask`` is plap_mask's chunk of every key: (B, 1, 1, Nk) integers, a causal layer's, as
+    many queries as keys."""
+    return (not attention_mask.is_floating_point() and attention_mask.dtype != torch.bool and is_causal
+            and num_queries == num_keys and attention_mask.dim() == 4 and attention_mask.shape[1:3] == (1, 1))  # fmt: skip
+
+
+def _runs_of_both(first, second):
+    """(B, N) ids of the runs of positions where neither (B, N) ``first`` nor ``second`` changes: the chunks of a
+    cache's packed rows (transformers' mask then counts chunks from the row's start, not each document's)."""
+    starts = (first[:, 1:] != first[:, :-1]) | (second[:, 1:] != second[:, :-1])
+    return torch.cat([starts.new_zeros(starts.shape[0], 1), starts], 1).cumsum(-1)
+
+
 def _is_cross_attention(module, is_causal):
     """Whether transformers built ``module`` to attend to another sequence, also where the lengths are equal: its own
     flag (GPT-2), its class (BERT's family: ``*CrossAttention``), or a decoder's attention that is not causal (BART's
@@ -186,13 +240,18 @@ def plap_attention_forward(module, query, key, value, attention_mask, dropout=0.
     for unsupported in ("s_aux", "position_bias"):
         if kwargs.get(unsupported) is not None:
             raise ValueError(f"{name} passes {unsupported} to its attention, which p-LaT cannot apply")
-    if attention_mask is not None and attention_mask.dtype != torch.bool:
-        raise ValueError(
-            f"{name} built a {attention_mask.dtype} attention mask; p-LaT takes boolean masks (transformers' "
-            "create_causal_mask / create_bidirectional_mask with attn_implementation='plap' make them)"
-        )
     is_causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     num_queries, num_keys = query.shape[-2], key.shape[-2]
+    chunks = None
+    if attention_mask is not None and _is_chunk_mask(attention_mask, is_causal, num_queries, num_keys):
+        chunks = attention_mask[:, 0, 0, :]  # (B, Nk), -1 for padding (plap_mask)
+        attention_mask = (chunks >= 0)[:, None, None, :]
+    if attention_mask is not None and attention_mask.dtype != torch.bool:
+        raise ValueError(
+            f"{name} built a {attention_mask.dtype} {tuple(attention_mask.shape)} attention mask; p-LaT takes "
+            "boolean masks, or a causal layer's (B, 1, 1, N) chunk of every key (transformers' create_causal_mask, "
+            "create_bidirectional_mask and create_chunked_causal_mask with attn_implementation='plap' make them)"
+        )
     if _is_cross_attention(module, is_causal) or (not is_causal and num_queries != num_keys):
         raise ValueError(
             f"{name} attends from {num_queries} queries to {num_keys} other tokens (cross-attention): p-LaT weighs "
@@ -212,6 +271,8 @@ def plap_attention_forward(module, query, key, value, attention_mask, dropout=0.
         documents = packed_document_ids(kwargs.get("position_ids"), padding, kwargs.get("cu_seq_lens_q"),
                                         kwargs.get("cu_seq_lens_k"), batch=query.shape[0], length=num_queries,
                                         cache_given=False)  # fmt: skip
+    if chunks is not None:  # a chunk attends as a document does
+        documents = chunks if documents is None else _runs_of_both(chunks, documents)
     out, weights = layer_attention(
         query, key, value, p=p, attn_mask=attention_mask, is_causal=is_causal and not full_mask,
         sliding_window=sliding_window, document_ids=documents, eps=eps, formulation=formulation, backend=backend,

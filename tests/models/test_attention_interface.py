@@ -9,6 +9,7 @@ import copy
 
 import pytest
 import torch
+from transformers.masking_utils import chunked_causal_mask_function, sdpa_mask
 from transformers import (
     DataCollatorWithFlattening,
     AutoModelForCausalLM,
@@ -23,6 +24,8 @@ from transformers import (
     Gemma2ForCausalLM,
     Gemma3ForCausalLM,
     Gemma3TextConfig,
+    Llama4ForCausalLM,
+    Llama4TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -42,17 +45,18 @@ from transformers import (
 import modeling_plat
 from device import DEVICE
 from modeling_plat import PlatForImageClassification
+from modeling_plat import attention_interface
 from modeling_plat.attention_interface import plap_mask
 from modeling_plat.convert import convert_to_plat
 from tiny import TINY_DECODER as DECODER
 
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 8}
-LENGTH = 10  # longer than every sliding window below, and than llama3 rope's original context
+LENGTH = 10  # longer than every sliding window and chunk below, and than llama3 rope's original context
 # The checkpoints users pick, as tiny configs: Llama 3.x rope, Qwen2.5's q/k/v biases, Qwen3's q/k norms and wider
 # heads, Mistral with a window shorter than the input, Phi-3's fused projections and partial rotary, Gemma 2 and 3
 # (query_pre_attn_scalar != head_dim, alternating sliding/full layers, Gemma 2's final logit softcap), SmolLM3's
-# tied embeddings and layers without rotary positions.
+# tied embeddings and layers without rotary positions, Llama 4's chunked attention (a mixture of experts).
 FAMILIES = {
     "llama3": (LlamaForCausalLM, LlamaConfig(**DECODER, rope_parameters=LLAMA3_ROPE)),
     "qwen2.5": (Qwen2ForCausalLM, Qwen2Config(**DECODER)),
@@ -64,6 +68,8 @@ FAMILIES = {
     "gemma3": (Gemma3ForCausalLM, Gemma3TextConfig(**DECODER, head_dim=8, query_pre_attn_scalar=12, sliding_window=4,
                                                    layer_types=["sliding_attention", "full_attention"])),
     "smollm3-tied": (SmolLM3ForCausalLM, SmolLM3Config(**DECODER, tie_word_embeddings=True)),
+    "llama4-chunked": (Llama4ForCausalLM, Llama4TextConfig(**DECODER, head_dim=8, attention_chunk_size=4,
+                                                           intermediate_size_mlp=48, num_local_experts=2)),
 }
 
 
@@ -131,6 +137,55 @@ def test_sliding_window_is_honoured():
         for backend in ("auto", "tiled", "triton"):
             torch.testing.assert_close(family("mistral-window", "plap", plap_backend=backend)(input_ids).logits,
                                        reference, atol=1e-5, rtol=1e-4)
+
+
+def test_chunked_attention_is_honoured(monkeypatch):
+    """Llama 4's chunks, which start after each row's left padding, reach every backend as the chunk of each key
+    (the fused kernels visit each chunk's span alone) and give what transformers' (B, 1, N, N) chunked mask gives."""
+    input_ids, attention_mask = batch()
+    real = attention_mask.bool()
+    with torch.no_grad():
+        chunked = {backend: family("llama4-chunked", "plap", plap_backend=backend)(input_ids,
+                                                                                  attention_mask=attention_mask)
+                   for backend in ("auto", "eager", "tiled", "triton")}  # fmt: skip
+        monkeypatch.setattr(attention_interface, "_is_chunked", lambda mask_function: False)
+        reference = family("llama4-chunked", "plap", plap_backend="eager")(input_ids, attention_mask=attention_mask)
+        one_chunk = family("llama4-chunked", "plap", attention_chunk_size=LENGTH)(input_ids, attention_mask=attention_mask)
+    for backend, output in chunked.items():
+        torch.testing.assert_close(output.logits[real], reference.logits[real], atol=1e-5, rtol=1e-4)
+    assert (chunked["auto"].logits[real] - one_chunk.logits[real]).abs().max() > 1e-3
+
+
+def _chunked_masks(left_padding, q_length, kv_length, kv_offset):
+    """plap_mask's and sdpa_mask's masks of Llama 4's chunks of 4, two rows, the first left-padded."""
+    padding = torch.ones(2, kv_offset + kv_length, dtype=torch.bool)
+    padding[0, :left_padding] = False
+    pattern = chunked_causal_mask_function(4, (~padding).sum(-1))
+    sizes = dict(q_offset=kv_offset + kv_length - q_length, kv_offset=kv_offset, mask_function=pattern,
+                 attention_mask=padding, local_size=4)
+    return plap_mask(2, q_length, kv_length, **sizes), sdpa_mask(2, q_length, kv_length, **sizes, allow_is_causal_skip=False)
+
+
+@pytest.mark.parametrize("left_padding", [0, 3, 4, 9])
+def test_chunked_mask_holds_each_keys_chunk(left_padding):
+    """As many queries as keys: (B, 1, 1, N) chunks, -1 for padding, that mean transformers' chunked mask."""
+    chunks, expected = _chunked_masks(left_padding, 12, 12, 0)
+    assert chunks.shape == (2, 1, 1, 12) and chunks.dtype not in (torch.bool, torch.float32)
+    keys = chunks[:, 0, 0]
+    same = (keys[:, :, None] == keys[:, None, :]) & (keys[:, None, :] >= 0)
+    assert torch.equal(same & torch.ones(12, 12, dtype=torch.bool).tril(), expected[:, 0])
+
+
+@pytest.mark.parametrize("kv_offset", [0, 5, 6])
+def test_chunked_mask_when_decoding_is_the_querys_chunk(kv_offset):
+    """One query after a chunked layer's sliding cache: the real keys of its chunk, as a key mask."""
+    mask, expected = _chunked_masks(3, 1, 4, kv_offset)
+    assert torch.equal(mask, expected)
+
+
+def test_chunked_mask_of_one_chunk_is_plain_causal():
+    assert _chunked_masks(0, 4, 4, 0)[0] is None
+    assert torch.equal(_chunked_masks(2, 4, 4, 0)[0], torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]]).bool()[:, None, None])
 
 
 P_PER_LAYER = [[1.5, 2.0, 2.5, 3.0], [2.0, 1.25, 1.5, 2.5]]
@@ -295,15 +350,21 @@ def test_compiles_without_graph_breaks():
 PACKED_LENGTHS = (5, 11, 1, 9)
 
 
-@pytest.mark.parametrize("use_cache", [False, True], ids=["training", "inference"])
+# Llama 4 without a cache only: with one, transformers' chunked mask counts chunks from the row's start.
+PACKED_CASES = [("qwen3", False), ("qwen3", True), ("mistral-window", False), ("mistral-window", True),
+                ("llama4-chunked", False)]
+
+
 @pytest.mark.parametrize("boundaries", [False, True], ids=["position_ids", "cu_seq_lens"])
 @pytest.mark.parametrize("backend", ["eager", "tiled", "triton"])
-@pytest.mark.parametrize("name", ["qwen3", "mistral-window"])
-def test_packed_rows_get_each_document_alone(name, backend, boundaries, use_cache):
+@pytest.mark.parametrize("name, use_cache", PACKED_CASES,
+                         ids=[f"{name}-{'inference' if cache else 'training'}" for name, cache in PACKED_CASES])
+def test_packed_rows_get_each_document_alone(name, use_cache, backend, boundaries):
     """DataCollatorWithFlattening's rows: every document gets the logits it gets alone, with each backend; an
-    explicit "triton" runs the fused kernels (it refuses a (B, 1, N, N) mask), so the documents reach them as ids and
-    Mistral's window as its size. Without a cache transformers builds a packed mask, which plap_mask leaves to the
-    ids; with one it builds a plain causal mask, and only the position_ids (or cu_seq_lens) tell the documents."""
+    explicit "triton" runs the fused kernels (it refuses a (B, 1, N, N) mask), so the documents reach them as ids,
+    Mistral's window as its size and Llama 4's chunks of each document as ids too. Without a cache transformers builds
+    a packed mask, which plap_mask leaves to the ids; with one it builds a plain causal mask, and only the
+    position_ids (or cu_seq_lens) tell the documents."""
     if backend == "triton":
         pytest.importorskip("triton")
     model = family(name, "plap", plap_backend=backend)

@@ -3,7 +3,8 @@
 Each scenario runs a tiny bfloat16 model on the CPU; at every attention call the dispatcher is asked what ``auto``
 would choose for the same inputs on an A100 (8.0), an H100 (9.0), a B200 (10.0) and an RTX 5090 (12.0). Every
 prefill and training call must get the fused kernels, every decoding call the decode path or the kernels: left
-padding, a sliding window shorter than the input, Gemma 3 (head size 256, alternating windows), Phi-3, packed rows
+padding, a sliding window shorter than the input, Gemma 3 (head size 256, alternating windows), Llama 4's chunks
+shorter than the input, Phi-3, packed rows
 (both of DataCollatorWithFlattening's forms, through transformers' models and PlatForCausalLM), generation and ViT.
 """
 
@@ -14,6 +15,8 @@ from transformers import (
     DataCollatorWithFlattening,
     Gemma3ForCausalLM,
     Gemma3TextConfig,
+    Llama4ForCausalLM,
+    Llama4TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -83,6 +86,8 @@ SCENARIOS = {
                                                        sliding_window=16,
                                                        layer_types=["sliding_attention", "full_attention"]),
                    left_padded),
+    "llama4-chunked": (Llama4ForCausalLM, Llama4TextConfig(**DECODER, attention_chunk_size=16, intermediate_size_mlp=96,
+                                                           num_local_experts=2), left_padded),
     "phi3": (Phi3ForCausalLM, Phi3Config(**DECODER, partial_rotary_factor=0.5), left_padded),
     "qwen3-packed-position-ids": (Qwen3ForCausalLM, Qwen3Config(**DECODER, head_dim=32), lambda: packed(False)),
     "qwen3-packed-cu-seq-lens": (Qwen3ForCausalLM, Qwen3Config(**DECODER, head_dim=32), lambda: packed(True)),
@@ -105,7 +110,7 @@ def test_transformers_models_run_the_kernels(choices, name, use_cache):
     assert_fused(choices)
 
 
-@pytest.mark.parametrize("name", ["llama-left-padding", "mistral-window", "gemma3-256"])
+@pytest.mark.parametrize("name", ["llama-left-padding", "mistral-window", "gemma3-256", "llama4-chunked"])
 def test_generation_runs_the_kernels_then_the_decode_path(choices, name):
     model_class, config, inputs = SCENARIOS[name]
     decoder(model_class, config).generate(**inputs(), max_new_tokens=3, do_sample=False)
