@@ -28,7 +28,7 @@ from transformers.masking_utils import (
 )
 
 from .configuration_plat import PlatConfigBase, paper_p_mix
-from .packing import packed_document_ids
+from .packing import packed_document_ids, runs
 from .plap_dispatch import BACKENDS, FORMULATIONS, layer_attention
 
 ATTN_IMPLEMENTATION = "plap"
@@ -77,9 +77,8 @@ def _key_padding(attention_mask, kv_length, kv_offset):
 def _is_chunked(mask_function):
     """Whether ``mask_function`` is transformers' causal chunked pattern: ``and_masks(chunked_overlay(size,
     left_padding), causal_mask_function)``, keys in the query's own chunk and not after it."""
-    parts = _closure_value(mask_function, "mask_functions") if mask_function.__name__ == "and_mask" else None
-    return (bool(parts) and len(parts) == 2 and parts[0].__qualname__.startswith("chunked_overlay.")
-            and parts[1] is causal_mask_function)  # fmt: skip
+    parts = _and_parts(mask_function)
+    return len(parts) == 2 and parts[0].__qualname__.startswith("chunked_overlay.") and parts[1] is causal_mask_function
 
 
 def _chunk_mask(mask_function, attention_mask, batch_size, q_length, kv_length, kv_offset, device):
@@ -96,7 +95,7 @@ def _chunk_mask(mask_function, attention_mask, batch_size, q_length, kv_length, 
     starts = ~mask_function(rows, 0, keys, keys - 1)  # (B, Nk - 1)
     if not torch.compiler.is_compiling() and not bool(starts.any()):
         return padding
-    chunks = torch.cat([starts.new_zeros(batch_size, 1), starts], 1).cumsum(-1)  # (B, Nk)
+    chunks = runs(starts)  # (B, Nk)
     if q_length == 1:
         same = chunks == chunks[:, -1:]
         return (same if padding is None else same & padding[:, 0, 0])[:, None, None, :]
@@ -112,13 +111,19 @@ def _without_packing(mask_function):
     document, which is the pattern itself within each document of consecutive positions. Packed rows then reach the
     attention function as the position_ids (or cu_seq_lens) that transformers passes to every attention function,
     which ``plap_attention_forward`` turns into document ids, as FlashAttention's varlen path does."""
-    parts = _closure_value(mask_function, "mask_functions") if mask_function.__name__ == "and_mask" else None
-    if not parts or len(parts) != 2 or not parts[1].__qualname__.startswith("packed_sequence_mask_function."):
+    parts = _and_parts(mask_function)
+    if len(parts) != 2 or not parts[1].__qualname__.startswith("packed_sequence_mask_function."):
         return mask_function
     pattern = parts[0]
     if pattern.__qualname__.startswith("remap_positions_for_packed_sequence."):
         pattern = _closure_value(pattern, "mask_function")
     return pattern
+
+
+def _and_parts(mask_function):
+    """The mask functions that transformers' ``and_masks`` joined into ``mask_function``, or () for any other."""
+    parts = _closure_value(mask_function, "mask_functions") if mask_function.__name__ == "and_mask" else None
+    return tuple(parts or ())
 
 
 def _closure_value(function, name):
@@ -205,15 +210,15 @@ def plap_settings(module, num_heads):
 def _is_chunk_mask(attention_mask, is_causal, num_queries, num_keys):
     """Whether ``attention_mask`` is plap_mask's chunk of every key: (B, 1, 1, Nk) integers, a causal layer's, as
     many queries as keys."""
-    return (not attention_mask.is_floating_point() and attention_mask.dtype != torch.bool and is_causal
-            and num_queries == num_keys and attention_mask.dim() == 4 and attention_mask.shape[1:3] == (1, 1))  # fmt: skip
+    integers = not attention_mask.is_floating_point() and attention_mask.dtype != torch.bool
+    return (integers and is_causal and num_queries == num_keys and attention_mask.dim() == 4
+            and attention_mask.shape[1:3] == (1, 1))  # fmt: skip
 
 
 def _runs_of_both(first, second):
     """(B, N) ids of the runs of positions where neither (B, N) ``first`` nor ``second`` changes: the chunks of a
     cache's packed rows (transformers' mask then counts chunks from the row's start, not each document's)."""
-    starts = (first[:, 1:] != first[:, :-1]) | (second[:, 1:] != second[:, :-1])
-    return torch.cat([starts.new_zeros(starts.shape[0], 1), starts], 1).cumsum(-1)
+    return runs((first[:, 1:] != first[:, :-1]) | (second[:, 1:] != second[:, :-1]))
 
 
 def _is_cross_attention(module, is_causal):

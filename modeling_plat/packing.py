@@ -27,6 +27,12 @@ def _from_boundaries(cu_seq_lens_q, cu_seq_lens_k, batch, length):
     return torch.searchsorted(bounds[1:-1], positions, right=True)[None]  # (1, N)
 
 
+def runs(starts):
+    """(B, N) ids of runs of positions, counted from 0 in each row, from (B, N - 1) bools: whether each position
+    after the first starts a run."""
+    return torch.cat([starts.new_zeros(starts.shape[0], 1), starts], 1).cumsum(-1)
+
+
 def packed_document_ids(position_ids=None, attention_mask=None, cu_seq_lens_q=None, cu_seq_lens_k=None, *, batch, length,
                  cache_given):
     """(B, N) document index of every new token of packed rows, or None when the rows are not packed.
@@ -52,7 +58,7 @@ def packed_document_ids(position_ids=None, attention_mask=None, cu_seq_lens_q=No
         real_so_far = real.long().cumsum(-1)[:, -length:]  # (B, N): real tokens up to each one, itself included
         restarts = restarts & real[:, -length + 1:] & (real_so_far[:, :-1] > 0)
     if torch.compiler.is_compiling():
-        return None if cache_given else torch.cat([restarts.new_zeros(batch, 1), restarts], 1).cumsum(-1)
+        return None if cache_given else runs(restarts)
     if not bool(restarts.any()):
         return None
     if cache_given:
@@ -60,4 +66,4 @@ def packed_document_ids(position_ids=None, attention_mask=None, cu_seq_lens_q=No
             "position_ids restart at 0 inside a row (packed documents), which cannot use a KV cache: its later "
             "tokens would attend across documents; pass no cache"
         )
-    return torch.cat([restarts.new_zeros(batch, 1), restarts], 1).cumsum(-1)  # (B, N)
+    return runs(restarts)  # (B, N)

@@ -150,7 +150,8 @@ def test_chunked_attention_is_honoured(monkeypatch):
                    for backend in ("auto", "eager", "tiled", "triton")}  # fmt: skip
         monkeypatch.setattr(attention_interface, "_is_chunked", lambda mask_function: False)
         reference = family("llama4-chunked", "plap", plap_backend="eager")(input_ids, attention_mask=attention_mask)
-        one_chunk = family("llama4-chunked", "plap", attention_chunk_size=LENGTH)(input_ids, attention_mask=attention_mask)
+        one_chunk = family("llama4-chunked", "plap", attention_chunk_size=LENGTH)(input_ids,
+                                                                                  attention_mask=attention_mask)
     for backend, output in chunked.items():
         torch.testing.assert_close(output.logits[real], reference.logits[real], atol=1e-5, rtol=1e-4)
     assert (chunked["auto"].logits[real] - one_chunk.logits[real]).abs().max() > 1e-3
@@ -163,7 +164,8 @@ def _chunked_masks(left_padding, q_length, kv_length, kv_offset):
     pattern = chunked_causal_mask_function(4, (~padding).sum(-1))
     sizes = dict(q_offset=kv_offset + kv_length - q_length, kv_offset=kv_offset, mask_function=pattern,
                  attention_mask=padding, local_size=4)
-    return plap_mask(2, q_length, kv_length, **sizes), sdpa_mask(2, q_length, kv_length, **sizes, allow_is_causal_skip=False)
+    expected = sdpa_mask(2, q_length, kv_length, **sizes, allow_is_causal_skip=False)
+    return plap_mask(2, q_length, kv_length, **sizes), expected
 
 
 @pytest.mark.parametrize("left_padding", [0, 3, 4, 9])
