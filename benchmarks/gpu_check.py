@@ -27,7 +27,7 @@ Sections, each a list of JSON rows in the record (a row that failed says why in 
   backward; softmax 2 and 7; causal shapes count half).
 - envelope: what reached the fused kernels last, against SDPA given the same pattern as a boolean mask: a sliding
   window of 4,096 over 16k tokens (and FlashAttention-2's own window where flash_attn is installed), head size 256
-  at 4k, packed rows of five documents at 4k; the backends auto chose.
+  at 4k, packed rows of five documents at 4k, Llama 4's chunks of 8,192 over 16k tokens; the backends auto chose.
 - kernels: the GPU kernels of one bfloat16 plap_attention forward + backward, by name, from torch.profiler: launches
   per call, microseconds per call and per launch in launch order (a kernel's first pass, then its exact pass), at the
   paper LM's and the kernel-speed shapes (4k, 4k-d128, 16k, paper mix) and at 4k with every head at p = 1.5 (one
@@ -88,7 +88,7 @@ SECTIONS = ("sweep", "attention", "envelope", "kernels", "train", "compile", "fa
 # Seconds each section is expected to take on an H100 or H200 (kernel builds and Inductor compiles dominate; attention,
 # kernels and train as measured on an H200, 2026-11-27), which the budget guard adds to the time used before starting
 # it; the sweep stops waiting for its cases when the budget runs out.
-EXPECTED_S = {"sweep": 150, "attention": 90, "envelope": 30, "kernels": 20, "train": 30, "compile": 150, "fallback": 40,
+EXPECTED_S = {"sweep": 150, "attention": 90, "envelope": 40, "kernels": 20, "train": 30, "compile": 150, "fallback": 40,
               "decode": 40, "main-job": 90}
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -543,6 +543,8 @@ ENVELOPE_SHAPES = {
     "window-4096-16k": (1, 8, 16384, 64, dict(sliding_window=4096)),  # Mistral's window over 16k tokens
     "d256-4k": (2, 8, 4096, 256, {}),  # Gemma 2/3's head size
     "packed-4k": (1, 16, 4096, 64, dict(documents=(1000, 24, 1500, 800, 772))),  # padding-free training
+    # Llama 4's chunked layers: plap_mask makes each chunk a document of the kernels
+    "chunks-8192-16k": (1, 8, 16384, 64, dict(documents=(8192, 8192))),
 }
 ENVELOPE_LIMIT = 3.0  # forward + backward against SDPA given the same pattern
 
@@ -574,7 +576,8 @@ def envelope_row(name, shape, device, warmup, repeats):
                                       torch.tensor(extra["documents"], device=device))[None].expand(batch, -1)
         kwargs["document_ids"] = ids
         mask = allowed_positions(None, True, length, length, device, ids)
-    work = sum(min(i + 1, extra.get("sliding_window", length)) for i in range(length)) * batch * heads * head_dim
+    pairs = int(mask.expand(batch, 1, length, length).sum()) if mask is not None else batch * length * (length + 1) // 2
+    work = pairs * heads * head_dim
     row = dict(name=name, batch=batch, heads=heads, length=length, head_dim=head_dim,
                pattern={key: value for key, value in extra.items()})  # fmt: skip
     measure = functools.partial(attention_timings, inputs=(q, k, v), grad_out=grad_out, work=work, device=device,
