@@ -55,8 +55,8 @@ from .head_runs import head_runs
 from .plap_attention_reference import formulation_of, implemented
 from .triton_backward import plap_dkdv_kernel, plap_dq_kernel
 from .triton_configs import (
-    INTERPRETER_CONFIG, SUPPORTED_DTYPES, KernelConfig, LaunchConfig, capability_reason, launch_config,
-    padded_head_size,
+    INTERPRETER_CONFIG, SUPPORTED_DTYPES, KernelConfig, LaunchConfig, capability_reason, interpreter_config,
+    launch_config, padded_head_size,
 )  # fmt: skip
 from .triton_forward import plap_forward_kernel
 from .triton_launcher import TRITON_VERSION, BoundLaunches, PlanKey, run_launch, traced_launch
@@ -219,7 +219,8 @@ def _launch_plan(kernel, config, shape, p, is_causal, window, has_key_mask, has_
         meta = dict(HEAD_DIM=head_dim, VALUE_DIM=value_dim, BLOCK_D=padded_head_size(head_dim),
                     BLOCK_DV=padded_head_size(value_dim), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
                     POWER=power, IS_CAUSAL=is_causal, HAS_WINDOW=window > 0,
-                    HAS_KEY_MASK=has_key_mask, HAS_DOCUMENTS=has_documents, EULER=euler, num_warps=config.num_warps,
+                    HAS_KEY_MASK=has_key_mask, HAS_DOCUMENTS=has_documents, EULER=euler, HEAD_CHUNK=config.head_chunk,
+                    num_warps=config.num_warps,
                     num_stages=config.num_stages, enable_fp_fusion=FP_FUSION)  # fmt: skip
         if flag_block is not None:
             meta.update(FLAG_BLOCK=flag_block, SUMS_BY_MATMUL=bool(config.sums_by_matmul))
@@ -463,7 +464,7 @@ def plap_attention_triton(
         capability = torch.cuda.get_device_capability(query.device)
         config = launch_config(query.dtype, query.shape[-1], value.shape[-1], capability)
     elif config is None:
-        config = INTERPRETER_CONFIG
+        config = interpreter_config(query.dtype, query.shape[-1], value.shape[-1])
     if blocks is not None:
         config = config.with_blocks(*blocks)
     key_keep = None

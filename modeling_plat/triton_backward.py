@@ -29,26 +29,32 @@ from .triton_tiles import (
 def _tile_grads(q, k, query_side, key_side, bounds, grad_out, row_stats, V, rows, cols, sizes, masks, head,
                 VALUE_DIM: tl.constexpr, POWER: tl.constexpr, MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr,
                 HAS_WINDOW: tl.constexpr, HAS_KEY_MASK: tl.constexpr, HAS_DOCUMENTS: tl.constexpr, EULER: tl.constexpr,
-                QUERY_AXIS: tl.constexpr, EXACT: tl.constexpr):  # fmt: skip
+                QUERY_AXIS: tl.constexpr, EXACT: tl.constexpr, HEAD_DIM: tl.constexpr,
+                CHUNK: tl.constexpr):  # fmt: skip
     """Recompute one tile (``query_side`` and ``key_side`` as ``distances`` takes them): W (W_off for euler), dS and
     -2 dL/dD2 (0 where D2 + eps is eps: self and coinciding pairs, whose exact gradient through D2 is 0 and whose
     computed one would be rounding), and whether it has close pairs (without EXACT their distances stay expanded: the
     caller discards such tiles). The sign joins the constant 2 (p - 2) / 2, so that the distance matmuls take it
-    without a negation per score. ``row_stats`` are the queries' (lse, D, euler's dU . v_x)."""
+    without a negation per score. ``row_stats`` are the queries' (lse, D, euler's dU . v_x). With CHUNK, ``q``,
+    ``k`` and ``grad_out`` are rows in memory, and the products over the head sizes load both sides CHUNK columns at
+    a time (``pair_dot``)."""
     num_queries, num_keys = sizes
     scale_log2, exponent, eps = head
     lse, delta, own_dot = row_stats
-    scores = masked_scores(pair_dot(q, k, QUERY_AXIS) * scale_log2, rows, cols, sizes, masks, MASKED=MASKED,
-                           IS_CAUSAL=IS_CAUSAL, HAS_WINDOW=HAS_WINDOW, HAS_KEY_MASK=HAS_KEY_MASK,
+    scores = masked_scores(pair_dot(q, k, QUERY_AXIS, None, CHUNK, HEAD_DIM) * scale_log2, rows, cols, sizes, masks,
+                           MASKED=MASKED, IS_CAUSAL=IS_CAUSAL, HAS_WINDOW=HAS_WINDOW, HAS_KEY_MASK=HAS_KEY_MASK,
                            HAS_DOCUMENTS=HAS_DOCUMENTS, QUERY_AXIS=QUERY_AXIS)  # [BF, BL]  # fmt: skip
     attn = tl.exp2(scores - per_query(lse, QUERY_AXIS))
     dist_eps, is_self, has_close = distances(query_side, key_side, bounds, V, rows, cols, num_keys,
                                              num_keys - num_queries, eps, VALUE_DIM=VALUE_DIM, MASKED=MASKED,
-                                             QUERY_AXIS=QUERY_AXIS, EXACT=EXACT)  # fmt: skip
+                                             QUERY_AXIS=QUERY_AXIS, EXACT=EXACT, CHUNK=CHUNK)  # fmt: skip
     exponent = class_exponent(exponent, POWER)
     weight_power, inv_dist = power(dist_eps, exponent, POWER)
     weights = attn * weight_power
-    grad_w = pair_dot(grad_out, key_side[0], QUERY_AXIS)  # G = dU V^T
+    if CHUNK:
+        grad_w = pair_dot(grad_out, (V, cols, num_keys), QUERY_AXIS, None, CHUNK, VALUE_DIM)  # G = dU V^T
+    else:
+        grad_w = pair_dot(grad_out, key_side[0], QUERY_AXIS)
     if EULER:
         if MASKED:
             weights = tl.where(is_self, 0.0, weights)
@@ -111,21 +117,28 @@ def _dkdv_tile(grad_k, grad_v, grad_dist_sum, keys, queries, head, sizes, start,
                VALUE_DIM: tl.constexpr, BLOCK_M: tl.constexpr, POWER: tl.constexpr, MASKED: tl.constexpr,
                IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
                HAS_DOCUMENTS: tl.constexpr, EULER: tl.constexpr, EXACT: tl.constexpr,
-               SUMS_BY_MATMUL: tl.constexpr):  # fmt: skip
-    """dK, dV and the distance gradient's row sums after the query tile at ``start``; (keys, queries) tiles."""
+               SUMS_BY_MATMUL: tl.constexpr, CHUNK: tl.constexpr):  # fmt: skip
+    """dK, dV and the distance gradient's row sums after the query tile at ``start``; (keys, queries) tiles. With
+    CHUNK, ``k`` is the block's rows in memory (``pair_dot``)."""
     cols, k, values, sq_keys_eps, bounds = keys
     slab, Q, V, Norms, GradOut, Lse, Delta, OwnDot, masks = queries
     num_queries, num_keys = sizes
     rows = start + tl.arange(0, BLOCK_M)  # [BM]
-    q = load_rows(Q + slab * num_queries * HEAD_DIM, rows, num_queries, HEAD_DIM, k.shape[1], MASKED)  # [BM, BD]
+    q = load_rows(Q + slab * num_queries * HEAD_DIM, rows, num_queries, HEAD_DIM, grad_k.shape[1], MASKED)  # [BM, BD]
     v_query, query_norms, grad_out, lse, delta, own_dot = _query_side(
         slab, rows, V, Norms, GradOut, Lse, Delta, OwnDot, num_queries, num_keys, VALUE_DIM=VALUE_DIM,
-        BLOCK_DV=values.shape[1], LOAD_STATS=True, CHECK_ROWS=MASKED,
+        BLOCK_DV=grad_v.shape[1], LOAD_STATS=True, CHECK_ROWS=MASKED,
     )  # fmt: skip
+    if CHUNK:
+        tile_q = (Q + slab * num_queries * HEAD_DIM, rows, num_queries)
+        tile_grad_out = (GradOut + slab * num_queries * VALUE_DIM, rows, num_queries)
+    else:
+        tile_q, tile_grad_out = q, grad_out
     weights, grad_scores, grad_dist = _tile_grads(
-        q, k, (v_query, query_norms), (values, sq_keys_eps), bounds, grad_out, (lse, delta, own_dot), V, rows, cols,
-        sizes, masks, head, VALUE_DIM=VALUE_DIM, POWER=POWER, MASKED=MASKED, IS_CAUSAL=IS_CAUSAL, HAS_WINDOW=HAS_WINDOW,
-        HAS_KEY_MASK=HAS_KEY_MASK, HAS_DOCUMENTS=HAS_DOCUMENTS, EULER=EULER, QUERY_AXIS=1, EXACT=EXACT,
+        tile_q, k, (v_query, query_norms), (values, sq_keys_eps), bounds, tile_grad_out, (lse, delta, own_dot), V,
+        rows, cols, sizes, masks, head, VALUE_DIM=VALUE_DIM, POWER=POWER, MASKED=MASKED, IS_CAUSAL=IS_CAUSAL,
+        HAS_WINDOW=HAS_WINDOW, HAS_KEY_MASK=HAS_KEY_MASK, HAS_DOCUMENTS=HAS_DOCUMENTS, EULER=EULER, QUERY_AXIS=1,
+        EXACT=EXACT, HEAD_DIM=HEAD_DIM, CHUNK=CHUNK,
     )  # [BN, BM] each  # fmt: skip
     grad_v += tl.dot(weights.to(grad_out.dtype), grad_out, input_precision=FLOAT32_DOT)
     grad_k += tl.dot(grad_scores.to(q.dtype), q, input_precision=FLOAT32_DOT)
@@ -143,10 +156,11 @@ def plap_dkdv_kernel(
     HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, POWER: tl.constexpr, IS_CAUSAL: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_KEY_MASK: tl.constexpr, HAS_DOCUMENTS: tl.constexpr, EULER: tl.constexpr,
-    PASS: tl.constexpr, FLAG_BLOCK: tl.constexpr, SUMS_BY_MATMUL: tl.constexpr,
+    PASS: tl.constexpr, FLAG_BLOCK: tl.constexpr, SUMS_BY_MATMUL: tl.constexpr, HEAD_CHUNK: tl.constexpr,
 ):  # fmt: skip
     """A key block goes to the exact pass where the forward's exact pass flagged a key tile (FLAG_BLOCK keys) that
-    holds any of its keys, and to the first pass otherwise."""
+    holds any of its keys, and to the first pass otherwise. HEAD_CHUNK as in ``plap_forward_kernel``: the block's
+    keys and values stay in memory."""
     scale_log2, exponent_low, exponent_high, eps = float32_scalars(scale_log2, exponent_low, exponent_high, eps)
     pid_n, slab, exponent = program_ids(num_keys, head_start, run_heads, num_heads, high_heads, exponent_low,
                                         exponent_high, BLOCK_N, False)  # fmt: skip
@@ -160,8 +174,12 @@ def plap_dkdv_kernel(
     V += slab * num_keys * VALUE_DIM
     Norms += slab * num_keys
     key_keep_row = KeyKeep + (slab // num_heads) * num_keys
-    k = load_rows(K + slab * num_keys * HEAD_DIM, cols, num_keys, HEAD_DIM, BLOCK_D)  # [BN, BD]
-    values = load_rows(V, cols, num_keys, VALUE_DIM, BLOCK_DV)  # [BN, BDV]
+    if HEAD_CHUNK:
+        k = (K + slab * num_keys * HEAD_DIM, cols, num_keys)
+        values = 0.0  # distances and G read them from V; loaded after the loop
+    else:
+        k = load_rows(K + slab * num_keys * HEAD_DIM, cols, num_keys, HEAD_DIM, BLOCK_D)  # [BN, BD]
+        values = load_rows(V, cols, num_keys, VALUE_DIM, BLOCK_DV)  # [BN, BDV]
     sq_keys_eps = squared_norms(Norms, cols, num_keys) + eps  # [BN]
     docs, span = fixed_documents(Documents, slab, num_heads, cols, num_keys, HAS_DOCUMENTS)
     keys = (cols, k, values, sq_keys_eps, close_bounds(sq_keys_eps, eps, 1))
@@ -180,9 +198,11 @@ def plap_dkdv_kernel(
                 grad_k, grad_v, grad_dist_sum, keys, queries, head, sizes, tile_start(index, tiles, BLOCK_M),
                 HEAD_DIM=HEAD_DIM, VALUE_DIM=VALUE_DIM, BLOCK_M=BLOCK_M, POWER=POWER, MASKED=phase == 1,
                 IS_CAUSAL=IS_CAUSAL, HAS_WINDOW=HAS_WINDOW, HAS_KEY_MASK=HAS_KEY_MASK, HAS_DOCUMENTS=HAS_DOCUMENTS,
-                EULER=EULER, EXACT=PASS != FIRST_PASS, SUMS_BY_MATMUL=SUMS_BY_MATMUL,
+                EULER=EULER, EXACT=PASS != FIRST_PASS, SUMS_BY_MATMUL=SUMS_BY_MATMUL, CHUNK=HEAD_CHUNK,
             )  # fmt: skip
 
+    if HEAD_CHUNK:
+        values = load_rows(V, cols, num_keys, VALUE_DIM, BLOCK_DV)  # [BN, BDV]
     grad_v -= row_sums(grad_dist_sum)[:, None] * values.to(tl.float32)
     # The dq kernel, launched before, left each query's own-value part in float32 (the keys at or after the offset
     # are queries' values); dv is stored once, in the values' dtype.
@@ -200,19 +220,21 @@ def plap_dkdv_kernel(
 def _dq_tile(grad_q, grad_v_own, grad_dist_sum, queries, keys, head, sizes, start, HEAD_DIM: tl.constexpr,
              VALUE_DIM: tl.constexpr, BLOCK_N: tl.constexpr, POWER: tl.constexpr, MASKED: tl.constexpr,
              IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_KEY_MASK: tl.constexpr, HAS_DOCUMENTS: tl.constexpr,
-             EULER: tl.constexpr, EXACT: tl.constexpr, SUMS_BY_MATMUL: tl.constexpr):  # fmt: skip
-    """dQ, the query side of dV and the distance gradient's row sums after the key tile at ``start``."""
+             EULER: tl.constexpr, EXACT: tl.constexpr, SUMS_BY_MATMUL: tl.constexpr, CHUNK: tl.constexpr):  # fmt: skip
+    """dQ, the query side of dV and the distance gradient's row sums after the key tile at ``start``. With CHUNK,
+    ``q`` and ``grad_out`` are the block's rows in memory (``pair_dot``)."""
     rows, q, v_query_m2, sq_query_eps, bounds, grad_out, row_stats = queries
     K, V, Norms, masks = keys
     num_keys = sizes[1]
     cols = start + tl.arange(0, BLOCK_N)  # [BN]
-    k = load_rows(K, cols, num_keys, HEAD_DIM, q.shape[1], MASKED)  # [BN, BD]
-    values = load_rows(V, cols, num_keys, VALUE_DIM, grad_out.shape[1], MASKED)  # [BN, BDV]
+    k = load_rows(K, cols, num_keys, HEAD_DIM, grad_q.shape[1], MASKED)  # [BN, BD]
+    values = load_rows(V, cols, num_keys, VALUE_DIM, grad_v_own.shape[1], MASKED)  # [BN, BDV]
     key_norms = load_vector(Norms, cols, num_keys, 0.0, MASKED)  # [BN]
     weights, grad_scores, grad_dist = _tile_grads(
-        q, k, (v_query_m2, sq_query_eps), (values, key_norms), bounds, grad_out, row_stats, V, rows, cols, sizes, masks,
-        head, VALUE_DIM=VALUE_DIM, POWER=POWER, MASKED=MASKED, IS_CAUSAL=IS_CAUSAL, HAS_WINDOW=HAS_WINDOW,
-        HAS_KEY_MASK=HAS_KEY_MASK, HAS_DOCUMENTS=HAS_DOCUMENTS, EULER=EULER, QUERY_AXIS=0, EXACT=EXACT,
+        q, (K, cols, num_keys) if CHUNK else k, (v_query_m2, sq_query_eps), (values, key_norms), bounds, grad_out,
+        row_stats, V, rows, cols, sizes, masks, head, VALUE_DIM=VALUE_DIM, POWER=POWER, MASKED=MASKED,
+        IS_CAUSAL=IS_CAUSAL, HAS_WINDOW=HAS_WINDOW, HAS_KEY_MASK=HAS_KEY_MASK, HAS_DOCUMENTS=HAS_DOCUMENTS, EULER=EULER,
+        QUERY_AXIS=0, EXACT=EXACT, HEAD_DIM=HEAD_DIM, CHUNK=CHUNK,
     )  # [BM, BN] each  # fmt: skip
     grad_q += tl.dot(grad_scores.to(k.dtype), k, input_precision=FLOAT32_DOT)
     grad_v_own, grad_dist_sum = exact_dot(grad_dist, values, grad_v_own, grad_dist_sum, EXACT, SUMS_BY_MATMUL)
@@ -227,10 +249,11 @@ def plap_dq_kernel(
     HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, POWER: tl.constexpr, IS_CAUSAL: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_KEY_MASK: tl.constexpr, HAS_DOCUMENTS: tl.constexpr, EULER: tl.constexpr,
-    PASS: tl.constexpr, FLAG_BLOCK: tl.constexpr, SUMS_BY_MATMUL: tl.constexpr,
+    PASS: tl.constexpr, FLAG_BLOCK: tl.constexpr, SUMS_BY_MATMUL: tl.constexpr, HEAD_CHUNK: tl.constexpr,
 ):  # fmt: skip
     """A query block goes to the exact pass where the forward flagged one of its query blocks (FLAG_BLOCK queries)
-    that holds any of this block's queries, and to the first pass otherwise."""
+    that holds any of this block's queries, and to the first pass otherwise. HEAD_CHUNK as in
+    ``plap_forward_kernel``: the block's queries, values and dU stay in memory."""
     scale_log2, exponent_low, exponent_high, eps = float32_scalars(scale_log2, exponent_low, exponent_high, eps)
     pid_m, slab, exponent = program_ids(num_queries, head_start, run_heads, num_heads, high_heads, exponent_low,
                                         exponent_high, BLOCK_M, IS_CAUSAL)  # fmt: skip
@@ -245,17 +268,21 @@ def plap_dq_kernel(
     V += slab * num_keys * VALUE_DIM
     Norms += slab * num_keys
     key_keep_row = KeyKeep + (slab // num_heads) * num_keys
-    q = load_rows(Q + slab * num_queries * HEAD_DIM, rows, num_queries, HEAD_DIM, BLOCK_D)  # [BM, BD]
+    if HEAD_CHUNK:  # the tiles read the block's rows from memory; v_query and grad_out are loaded again after the loop
+        q = (Q + slab * num_queries * HEAD_DIM, rows, num_queries)
+    else:
+        q = load_rows(Q + slab * num_queries * HEAD_DIM, rows, num_queries, HEAD_DIM, BLOCK_D)  # [BM, BD]
     v_query, query_norms, grad_out, lse, _, _ = _query_side(
         slab, rows, V, Norms, GradOut, Lse, Delta, OwnDot, num_queries, num_keys, VALUE_DIM=VALUE_DIM,
         BLOCK_DV=BLOCK_DV, LOAD_STATS=False, CHECK_ROWS=True,
     )  # fmt: skip
-    v_query_m2 = times_minus_two(v_query)
+    v_query_m2 = 0.0 if HEAD_CHUNK else times_minus_two(v_query)
     sq_query_eps = query_norms * query_norms + eps
     bounds = close_bounds(sq_query_eps, eps, 0)
     delta, own_dot = _row_stats(Out, Delta, OwnDot, slab, rows, grad_out, v_query, num_queries, VALUE_DIM, EULER)
     docs, span = fixed_documents(Documents, slab, num_heads, rows, num_keys, HAS_DOCUMENTS)
-    queries = (rows, q, v_query_m2, sq_query_eps, bounds, grad_out, (lse, delta, own_dot))
+    tile_grad_out = (GradOut + slab * num_queries * VALUE_DIM, rows, num_queries) if HEAD_CHUNK else grad_out
+    queries = (rows, q, v_query_m2, sq_query_eps, bounds, tile_grad_out, (lse, delta, own_dot))
     keys = (K, V, Norms, (key_keep_row, docs, window))
     sizes = (num_queries, num_keys)
     plain, masked = key_loop_bounds(pid_m, num_queries, num_keys, window, span, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_WINDOW,
@@ -271,9 +298,14 @@ def plap_dq_kernel(
                 grad_q, grad_v_own, grad_dist_sum, queries, keys, head, sizes, tile_start(index, tiles, BLOCK_N),
                 HEAD_DIM=HEAD_DIM, VALUE_DIM=VALUE_DIM, BLOCK_N=BLOCK_N, POWER=POWER, MASKED=phase == 1,
                 IS_CAUSAL=IS_CAUSAL, HAS_WINDOW=HAS_WINDOW, HAS_KEY_MASK=HAS_KEY_MASK, HAS_DOCUMENTS=HAS_DOCUMENTS,
-                EULER=EULER, EXACT=PASS != FIRST_PASS, SUMS_BY_MATMUL=SUMS_BY_MATMUL,
+                EULER=EULER, EXACT=PASS != FIRST_PASS, SUMS_BY_MATMUL=SUMS_BY_MATMUL, CHUNK=HEAD_CHUNK,
             )  # fmt: skip
 
+    if HEAD_CHUNK:
+        v_query, _, grad_out, _, _, _ = _query_side(
+            slab, rows, V, Norms, GradOut, Lse, Delta, OwnDot, num_queries, num_keys, VALUE_DIM=VALUE_DIM,
+            BLOCK_DV=BLOCK_DV, LOAD_STATS=False, CHECK_ROWS=True,
+        )  # fmt: skip
     store_rows(GradQ + slab * num_queries * HEAD_DIM, rows, num_queries, grad_q * (scale_log2 * LN_2), HEAD_DIM)
     # dv_x += 2 sum_y dL/dD2 (v_x - v_y), plus for euler the direct dU_x (1 - rowsum W_off).
     grad_v_own -= row_sums(grad_dist_sum)[:, None] * v_query.to(tl.float32)

@@ -47,6 +47,8 @@ class KernelConfig(NamedTuple):
     sums_by_matmul  the backward's row sums of the distance gradient against bfloat16 values: from a matmul of its
                     bfloat16 parts against ones (True), or summed in each thread (False), where the parts' second
                     matmul layout would spill (sm_80 family at head size 128)
+    head_chunk      columns per step of the products over the head sizes whose operands the kernel reloads in each
+                    tile, its fixed block's rows included (0: fixed rows held in registers): float32 above 64
     """
 
     block_m: int
@@ -55,6 +57,7 @@ class KernelConfig(NamedTuple):
     num_stages: int = 2
     max_registers: int = 0
     sums_by_matmul: bool = True
+    head_chunk: int = 0
 
 
 class LaunchConfig(NamedTuple):
@@ -69,6 +72,14 @@ class LaunchConfig(NamedTuple):
 
 
 K = KernelConfig
+# float32 at head sizes 128 and 256 on every generation: the largest tiles and chunks that spill nothing inside their
+# loops with Triton 3.9 (tools/kernels/README.md, "float32 above 64").
+_CHUNKED = dict(num_warps=8, num_stages=1, head_chunk=32)
+FLOAT32_CHUNKED = {
+    128: LaunchConfig(fwd=K(32, 16, **_CHUNKED), dkdv=K(16, 16, **_CHUNKED), dq=K(32, 16, **_CHUNKED)),
+    256: LaunchConfig(fwd=K(16, 16, **_CHUNKED), dkdv=K(16, 16, **dict(_CHUNKED, head_chunk=16)),
+                      dq=K(16, 16, **dict(_CHUNKED, head_chunk=16))),
+}
 # By GPU generation (8: Ampere and Ada, sized for sm_86/sm_89's 99 KB of shared memory, also run by 12.x and by unknown
 # compute capabilities, FAMILY_TABLES; 9: Hopper; 10: B200 / B300), input kind and padded head size
 # (``padded_head_size``). A head size above a table's largest entry has no configuration. The entries at head size 256
@@ -111,27 +122,41 @@ CONFIGS = {
         256: LaunchConfig(fwd=K(16, 32, num_warps=4), dkdv=K(32, 16, num_warps=8, num_stages=1),
                           dq=K(16, 32, num_warps=4)),
     },
-    # float32 stops at 64: at 128 dK/dV and dQ spill inside their loops with every tile down to 16 x 16 and 8 warps.
+    # float32 above 64: each kernel's fixed block stays in memory, and the products over the head sizes load both
+    # sides 32 columns at a time (``head_chunk``); held whole, dK/dV and dQ spill inside their loops at 128 with every
+    # tile down to 16 x 16 and 8 warps.
     (8, "float32"): {
         16: LaunchConfig(fwd=K(128, 16, num_warps=8), dkdv=K(16, 128, num_warps=8), dq=K(128, 16, num_warps=8)),
         32: LaunchConfig(fwd=K(128, 16, num_warps=8), dkdv=K(16, 128, num_warps=8), dq=K(32, 16, num_warps=4)),
         64: LaunchConfig(fwd=K(32, 32, num_warps=4), dkdv=K(16, 16, num_warps=4), dq=K(32, 16, num_warps=4)),
+        **FLOAT32_CHUNKED,
     },
     (9, "float32"): {
         16: LaunchConfig(fwd=K(128, 16, num_warps=8), dkdv=K(16, 128, num_warps=8), dq=K(128, 16, num_warps=8)),
         32: LaunchConfig(fwd=K(128, 16, num_warps=8), dkdv=K(16, 128, num_warps=8), dq=K(64, 16, num_warps=4)),
         64: LaunchConfig(fwd=K(128, 16, num_warps=8), dkdv=K(32, 16, num_warps=4), dq=K(32, 16, num_warps=4)),
+        **FLOAT32_CHUNKED,
     },
     # On sm_100 the 9.x tiles of dK/dV and dQ at 16 and of the forward at 32 spill inside their loops.
     (10, "float32"): {
         16: LaunchConfig(fwd=K(64, 32, num_warps=4), dkdv=K(16, 64, num_warps=4), dq=K(64, 16, num_warps=4)),
         32: LaunchConfig(fwd=K(16, 32, num_warps=4), dkdv=K(16, 64, num_warps=8), dq=K(32, 16, num_warps=4)),
         64: LaunchConfig(fwd=K(16, 32, num_warps=4), dkdv=K(16, 16, num_warps=4), dq=K(16, 32, num_warps=4)),
+        **FLOAT32_CHUNKED,
     },
 }
-del K
+del K, _CHUNKED
 # Tile sizes under the interpreter (CPU), where warps and stages mean nothing.
 INTERPRETER_CONFIG = LaunchConfig(*(KernelConfig(64, 64, num_warps=4),) * 3)
+
+
+def interpreter_config(dtype, head_dim, value_dim):
+    """INTERPRETER_CONFIG with the head chunks of these inputs' configuration on a GPU (``head_chunk``), so that the
+    interpreter runs the kernels' paths that a GPU runs for them."""
+    gpu = launch_config(dtype, head_dim, value_dim, MIN_CAPABILITY)
+    if gpu is None:
+        return INTERPRETER_CONFIG
+    return LaunchConfig(*(config._replace(head_chunk=own.head_chunk) for config, own in zip(INTERPRETER_CONFIG, gpu)))
 
 
 def padded_head_size(head_dim):

@@ -25,21 +25,26 @@ from .triton_tiles import (
 def _forward_tile(row_max, row_sum, off_sum, acc, queries, keys, head, sizes, start, HEAD_DIM: tl.constexpr,
                   VALUE_DIM: tl.constexpr, BLOCK_N: tl.constexpr, POWER: tl.constexpr, MASKED: tl.constexpr,
                   IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
-                  HAS_DOCUMENTS: tl.constexpr, EULER: tl.constexpr, PASS: tl.constexpr):  # fmt: skip
+                  HAS_DOCUMENTS: tl.constexpr, EULER: tl.constexpr, PASS: tl.constexpr,
+                  CHUNK: tl.constexpr):  # fmt: skip
     """The online softmax's state after the key tile at ``start``, and which of the block's queries met close pairs
-    in it (the exact pass after a first one flags its key tile for the backward)."""
+    in it (the exact pass after a first one flags its key tile for the backward). With CHUNK, ``q`` is the block's
+    rows in memory and the products over the head sizes load both sides CHUNK columns at a time (``pair_dot``)."""
     rows, q, v_query_m2, sq_query_eps, bounds = queries
     K, V, Norms, KeyTiles, masks = keys
     scale_log2, exponent, eps = head
     num_queries, num_keys = sizes
     cols = start + tl.arange(0, BLOCK_N)  # [BN]
-    k = load_rows(K, cols, num_keys, HEAD_DIM, q.shape[1], MASKED)  # [BN, BD]
+    if CHUNK:
+        k = (K, cols, num_keys)
+    else:
+        k = load_rows(K, cols, num_keys, HEAD_DIM, q.shape[1], MASKED)  # [BN, BD]
     values = load_rows(V, cols, num_keys, VALUE_DIM, acc.shape[1], MASKED)  # [BN, BDV]
     key_norms = load_vector(Norms, cols, num_keys, 0.0, MASKED)  # [BN]
     # q.k unscaled: the scale (> 0) multiplies the row maxima, and joins each score's exp2 argument as one FMA.
-    scores = masked_scores(pair_dot(q, k, 0), rows, cols, sizes, masks, MASKED=MASKED, IS_CAUSAL=IS_CAUSAL,
-                           HAS_WINDOW=HAS_WINDOW, HAS_KEY_MASK=HAS_KEY_MASK, HAS_DOCUMENTS=HAS_DOCUMENTS,
-                           QUERY_AXIS=0)  # [BM, BN]  # fmt: skip
+    scores = masked_scores(pair_dot(q, k, 0, None, CHUNK, HEAD_DIM), rows, cols, sizes, masks, MASKED=MASKED,
+                           IS_CAUSAL=IS_CAUSAL, HAS_WINDOW=HAS_WINDOW, HAS_KEY_MASK=HAS_KEY_MASK,
+                           HAS_DOCUMENTS=HAS_DOCUMENTS, QUERY_AXIS=0)  # [BM, BN]  # fmt: skip
     new_max = tl.maximum(row_max, tl.max(scores, 1) * scale_log2)  # [BM]
     rescale = tl.exp2(row_max - new_max)
     expo = tl.exp2(scores * scale_log2 - new_max[:, None])  # [BM, BN]
@@ -47,7 +52,7 @@ def _forward_tile(row_max, row_sum, off_sum, acc, queries, keys, head, sizes, st
     # [BM, BN] distances + eps, [BM, BN] self pairs, [BM] rows with close pairs
     dist_eps, is_self, has_close = distances((v_query_m2, sq_query_eps), (values, key_norms), bounds, V, rows, cols,
                                              num_keys, num_keys - num_queries, eps, VALUE_DIM=VALUE_DIM, MASKED=MASKED,
-                                             QUERY_AXIS=0, EXACT=PASS != FIRST_PASS)  # fmt: skip
+                                             QUERY_AXIS=0, EXACT=PASS != FIRST_PASS, CHUNK=CHUNK)  # fmt: skip
     if PASS == EXACT_PASS:
         if any_set(has_close):
             tl.store(KeyTiles + start // BLOCK_N, 1)
@@ -68,7 +73,7 @@ def plap_forward_kernel(
     HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, POWER: tl.constexpr, IS_CAUSAL: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_KEY_MASK: tl.constexpr, HAS_DOCUMENTS: tl.constexpr, EULER: tl.constexpr,
-    PASS: tl.constexpr,
+    PASS: tl.constexpr, HEAD_CHUNK: tl.constexpr,
 ):  # fmt: skip
     """The first pass (``PASS``, ``triton_tiles.FIRST_PASS``) computes D2 + eps by the expansion alone; a block with a
     close pair in any tile stores nothing but its flag in ExactBlocks (int32 per block, written by every program), and
@@ -76,7 +81,9 @@ def plap_forward_kernel(
     with the close pairs' direct differences, and sets KeyTiles where a tile had some; the others leave at once. The
     exact path's code and registers stay out of the first pass, which fits more blocks per SM. (A flagged block's
     first-pass values may be inf or NaN where the expansion went to zero or below: never stored.) The exact pass alone
-    runs every block and reads or writes no flag. Each program's head has its own p (``program_ids``)."""
+    runs every block and reads or writes no flag. Each program's head has its own p (``program_ids``). HEAD_CHUNK
+    (float32 above 64 columns) keeps the block's queries and values in memory, read HEAD_CHUNK columns at a time in
+    each tile (``pair_dot``); 0 holds them in registers."""
     scale_log2, exponent_low, exponent_high, eps = float32_scalars(scale_log2, exponent_low, exponent_high, eps)
     pid_m, slab, exponent = program_ids(num_queries, head_start, run_heads, num_heads, high_heads, exponent_low,
                                         exponent_high, BLOCK_M, IS_CAUSAL)  # fmt: skip
@@ -96,11 +103,16 @@ def plap_forward_kernel(
         for tile in range(pid_m, tl.cdiv(num_keys, BLOCK_N), tl.cdiv(num_queries, BLOCK_M)):
             tl.store(KeyTiles + tile, 0)
     stats = slab * num_queries  # Lse and OwnWeight are (B, H, Nq)
-    q = load_rows(Q + slab * num_queries * HEAD_DIM, rows, num_queries, HEAD_DIM, BLOCK_D)  # [BM, BD]
-    v_query = load_rows(V, rows + offset, num_keys, VALUE_DIM, BLOCK_DV)  # [BM, BDV]
+    if HEAD_CHUNK:  # distances reads the values from V; euler loads them after the loop
+        q = (Q + slab * num_queries * HEAD_DIM, rows, num_queries)
+        v_query = 0.0
+    else:
+        q = load_rows(Q + slab * num_queries * HEAD_DIM, rows, num_queries, HEAD_DIM, BLOCK_D)  # [BM, BD]
+        v_query = load_rows(V, rows + offset, num_keys, VALUE_DIM, BLOCK_DV)  # [BM, BDV]
     sq_query_eps = squared_norms(Norms + offset, rows, num_queries) + eps  # [BM]
     docs, span = fixed_documents(Documents, slab, num_heads, rows, num_keys, HAS_DOCUMENTS)
-    queries = (rows, q, times_minus_two(v_query), sq_query_eps, close_bounds(sq_query_eps, eps, 0))
+    queries = (rows, q, v_query if HEAD_CHUNK else times_minus_two(v_query), sq_query_eps,
+               close_bounds(sq_query_eps, eps, 0))
     keys = (K, V, Norms, KeyTiles, (KeyKeep + (slab // num_heads) * num_keys, docs, window))
     sizes = (num_queries, num_keys)
     plain, masked = key_loop_bounds(pid_m, num_queries, num_keys, window, span, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_WINDOW,
@@ -118,7 +130,7 @@ def plap_forward_kernel(
                 row_max, row_sum, off_sum, acc, queries, keys, head, sizes, tile_start(index, tiles, BLOCK_N),
                 HEAD_DIM=HEAD_DIM, VALUE_DIM=VALUE_DIM, BLOCK_N=BLOCK_N, POWER=POWER, MASKED=phase == 1,
                 IS_CAUSAL=IS_CAUSAL, HAS_WINDOW=HAS_WINDOW, HAS_KEY_MASK=HAS_KEY_MASK, HAS_DOCUMENTS=HAS_DOCUMENTS,
-                EULER=EULER, PASS=PASS,
+                EULER=EULER, PASS=PASS, CHUNK=HEAD_CHUNK,
             )  # fmt: skip
             has_close |= close
 
@@ -134,6 +146,8 @@ def plap_forward_kernel(
     out = acc * inv_sum[:, None]  # [BM, BDV]
     if EULER:
         own_weight = tl.where(valid, 1.0 - off_sum * inv_sum, 0.0)  # u_x = v_x (1 - rowsum W_off) + W_off V
+        if HEAD_CHUNK:
+            v_query = load_rows(V, rows + offset, num_keys, VALUE_DIM, BLOCK_DV)  # [BM, BDV]
         out += own_weight[:, None] * v_query.to(tl.float32)
         tl.store(OwnWeight + stats + rows, own_weight, mask=row_in)
     store_rows(Out + slab * num_queries * VALUE_DIM, rows, stored_rows, out, VALUE_DIM)

@@ -306,12 +306,46 @@ def per_key(vector, QUERY_AXIS: tl.constexpr):
 
 
 @jit
-def pair_dot(query_side, key_side, QUERY_AXIS: tl.constexpr, acc=None):
-    """The tile of dot products of query-side rows [BM, d] with key-side rows [BN, d], added to ``acc`` if given."""
+def _rows_dot(query_side, key_side, QUERY_AXIS: tl.constexpr, acc):
     if QUERY_AXIS == 0:
         tile = tl.dot(query_side, tl.trans(key_side), acc, input_precision=FLOAT32_DOT)
     else:
         tile = tl.dot(key_side, tl.trans(query_side), acc, input_precision=FLOAT32_DOT)
+    return tile
+
+
+@jit
+def _load_chunk(rows, start, COLS: tl.constexpr, CHUNK: tl.constexpr):
+    """Columns [start, start + CHUNK) of ``rows`` (``pair_dot``'s (pointer, positions, number of rows)), zeros outside
+    the (number of rows, COLS) matrix."""
+    ptr, positions, num_rows = rows
+    ptrs, _ = row_ptrs(ptr + start, positions, COLS, CHUNK)
+    col_in = start + tl.arange(0, CHUNK) < COLS
+    return tl.load(ptrs, mask=(positions[:, None] < num_rows) & col_in[None, :], other=0.0)
+
+
+@jit
+def pair_dot(query_side, key_side, QUERY_AXIS: tl.constexpr, acc=None, CHUNK: tl.constexpr = 0,
+             COLS: tl.constexpr = 0):  # fmt: skip
+    """The tile of dot products of query-side rows [BM, d] with key-side rows [BN, d], added to ``acc`` if given.
+
+    With CHUNK, each side is (pointer, positions, number of rows) of rows of a contiguous (number of rows, COLS)
+    matrix, and the products run over CHUNK columns at a time, each loaded in the step that takes it: float32 rows
+    above 64 columns, held whole, would sit in every warp that multiplies them (a 16-row operand of 128 float32 columns
+    is 64 registers per thread, tf32x3 holds two copies), so that a kernel's fixed block would spill inside its loop."""
+    if CHUNK:
+        if acc is None:
+            if QUERY_AXIS == 0:
+                tile = tl.zeros([query_side[1].shape[0], key_side[1].shape[0]], tl.float32)
+            else:
+                tile = tl.zeros([key_side[1].shape[0], query_side[1].shape[0]], tl.float32)
+        else:
+            tile = acc
+        for start in range(0, COLS, CHUNK):  # a loop, not unrolled: the fixed block's loads stay inside it
+            tile = _rows_dot(_load_chunk(query_side, start, COLS, CHUNK), _load_chunk(key_side, start, COLS, CHUNK),
+                             QUERY_AXIS, tile)  # fmt: skip
+    else:
+        tile = _rows_dot(query_side, key_side, QUERY_AXIS, acc)
     return tile
 
 
@@ -399,7 +433,7 @@ def any_set(flags):
 
 @jit
 def distances(query_side, key_side, bounds, V, rows, cols, num_keys, offset, eps, VALUE_DIM: tl.constexpr,
-              MASKED: tl.constexpr, QUERY_AXIS: tl.constexpr, EXACT: tl.constexpr):  # fmt: skip
+              MASKED: tl.constexpr, QUERY_AXIS: tl.constexpr, EXACT: tl.constexpr, CHUNK: tl.constexpr):  # fmt: skip
     """D2 + eps of a tile from the norms and the values, the self-pair tile (all false where the loop split excludes
     self pairs, MASKED false), and which rows of the tile (the fixed block's) have close pairs (int32 per row: a loop
     accumulates them without reducing across warps in every tile). ``query_side`` and ``key_side`` are (values, norms)
@@ -407,7 +441,9 @@ def distances(query_side, key_side, bounds, V, rows, cols, num_keys, offset, eps
     tile's as they are, squared by the FMA that adds them to the fixed block's (a square per tile row would be repeated
     in every thread that holds a score of it). Where queries are the fixed block (forward, dq) their values come as
     -2 v_x (``times_minus_two``), so that the matmul accumulates -2 v_x.v_y onto the norms; dk/dv's fixed values also
-    form G = dU V^T, so that it scales the products instead. ``bounds`` are ``close_bounds``.
+    form G = dU V^T, so that it scales the products instead. ``bounds`` are ``close_bounds``. With CHUNK the
+    values' matmul reads both sides from V, CHUNK columns at a time (``pair_dot``), and the values of ``query_side``
+    and ``key_side`` are not read.
 
     The expansion's rounding, a few u (|v_x|^2 + |v_y|^2), would decide P where values nearly coincide: a tile with
     close pairs (CLOSE_PAIR) recomputes all its pairs by direct differences, one value coordinate at a time from
@@ -418,15 +454,17 @@ def distances(query_side, key_side, bounds, V, rows, cols, num_keys, offset, eps
     the backward's, whose blocks the forward has cleared, leave them unused)."""
     v_query, query_norms = query_side
     values, key_norms = key_side
+    if CHUNK:
+        value_dot = pair_dot((V, rows + offset, num_keys), (V, cols, num_keys), QUERY_AXIS, None, CHUNK, VALUE_DIM)
     if QUERY_AXIS == 0:  # the queries are the fixed block
         loop_norms = per_key(key_norms, QUERY_AXIS)
         sq_sums = tl.fma(loop_norms, loop_norms, per_query(query_norms, QUERY_AXIS))  # [BF, BL]
-        dist_eps = pair_dot(v_query, values, QUERY_AXIS, sq_sums)
+        dist_eps = sq_sums - 2 * value_dot if CHUNK else pair_dot(v_query, values, QUERY_AXIS, sq_sums)
         sq_query_eps = query_norms
     else:
         loop_norms = per_query(query_norms, QUERY_AXIS)
         sq_sums = tl.fma(loop_norms, loop_norms, per_key(key_norms, QUERY_AXIS))  # [BF, BL]
-        dist_eps = sq_sums - 2 * pair_dot(v_query, values, QUERY_AXIS)
+        dist_eps = sq_sums - 2 * (value_dot if CHUNK else pair_dot(v_query, values, QUERY_AXIS))
         sq_query_eps = query_norms * query_norms + eps
     is_self = per_key(cols, QUERY_AXIS) == per_query(rows, QUERY_AXIS) + offset
     if MASKED:

@@ -1,7 +1,7 @@
 """Sliding windows inside the fused kernels: the query at key position x attends to the keys in (x - w, x], as
 transformers defines the window. Outputs and every gradient against the float64 reference given the same window as
 a mask, for windows shorter than, equal to and longer than the input, with key padding, packed rows, Nq < Nk, repeated
-values, both passes and the exact pass alone, across tile borders (blocks of 16)."""
+values, both passes and the exact pass alone, across tile borders (blocks of 16), and float32's head chunks."""
 
 import pytest
 import torch
@@ -65,6 +65,16 @@ def test_window_with_packed_rows(monkeypatch):
 def test_window_with_repeated_values(monkeypatch):
     """Exact duplicates (D2 = 0 off the diagonal) inside and across the window's edge."""
     check_window((2, 3, 40, 40, 16, 16), 12, duplicates=True, monkeypatch=monkeypatch)
+
+
+@pytest.mark.parametrize("two_passes", [True, False])
+def test_window_in_float32_head_chunks(monkeypatch, two_passes):
+    """float32 above head size 64, whose kernels take the products over the head sizes in chunks of columns
+    (``head_chunk``): query and value sizes that end inside a chunk (96, 80), with a window, key padding, packed rows,
+    repeated values and euler at once."""
+    documents = torch.tensor([[0] * 13 + [1] * 20 + [2] * 15, [4] * 48], device=DEVICE)
+    check_window((2, 2, 48, 48, 96, 80), 17, mask="padding", documents=documents, formulation="euler", duplicates=True,
+                 two_passes=two_passes, monkeypatch=monkeypatch)  # fmt: skip
 
 
 def test_window_visits_only_the_band(monkeypatch):

@@ -10,13 +10,13 @@ the GPUs that run its table (triton_configs.FAMILY_TABLES: sm_120 runs the 8.x t
 spills at most 4 KB per thread); registers and spills are printed. Triton's cache points at a new directory, so that
 nothing compiled before can hide a failure; the compilation starts with the first attention test (conftest.py).
 
-By default a sample (``SAMPLE``, 204 kernel passes): on sm_80 and sm_90 every padded head size each dtype is admitted
+By default a sample (``SAMPLE``, 228 kernel passes): on sm_80 and sm_90 every padded head size each dtype is admitted
 at, every kernel and pass of each dtype, each side of every branch (causal, a sliding window, key padding, packed
 documents, euler, each class of the power, one p and two in a launch, lengths that are not multiples of 16, Nq < Nk,
 a value size of its own) and the configuration that failed on an H200; the paper's two p in one launch of the exact
 passes alone (small calls) on every architecture; on sm_100 (its own table) the first passes at every padded head size
 of each dtype and every pass at head size 256; on sm_120 every pass at head size 256 and a few first passes.
-``-m kernels`` compiles the full matrix (``FULL_MATRIX``, about 9,100 kernels, one child process per core): every
+``-m kernels`` compiles the full matrix (``FULL_MATRIX``, about 11,200 kernels, one child process per core): every
 head size from 16 to 256 with every branch on sm_80, sm_86, sm_87, sm_89, sm_90, sm_100, sm_103, sm_120 and sm_121;
 at head sizes 64 and 128 on sm_80 and sm_90 every combination of the flags (causal ones with and without a sliding
 window) with each p set; at head size 256 on sm_80, sm_90, sm_100 and sm_120, and at 64 and 128 on sm_100 and sm_120,
@@ -98,6 +98,9 @@ def sample_cases(arch):
         make_case(arch, "bfloat16", 64, p=PAPER_MIX),
         make_case(arch, "bfloat16", 128, p=PAPER_MIX),
         make_case(arch, "float16", 64, p=OTHER_MIX),
+        # float32 above 64, whose products over the head sizes load 32 columns at a time: a value size that ends in
+        # part of a chunk.
+        make_case(arch, "float32", 128, 80, p=OTHER_MIX),
         # The other side of every branch: no mask, paper, one p, uneven lengths.
         make_case(arch, "float32", 64, flags=ALL_OFF, lengths=UNEVEN),
         # The other padded head sizes of each dtype (first passes): sizes that are not powers of two, and a value
@@ -109,6 +112,7 @@ def sample_cases(arch):
         make_case(arch, "float16", 80, kernels=FIRST_PASSES),
         make_case(arch, "float32", 16, kernels=FIRST_PASSES),
         make_case(arch, "float32", 24, kernels=FIRST_PASSES),
+        make_case(arch, "float32", 256, kernels=FIRST_PASSES),
         # Head size 256 (every branch), and a value size that alone pads to it.
         make_case(arch, "bfloat16", 256, kernels=FIRST_PASSES),
         make_case(arch, "float16", 128, 160, flags=ALL_OFF, lengths=UNEVEN, kernels=FIRST_PASSES),
@@ -120,14 +124,14 @@ def blackwell_cases():
     size 256 under every branch. sm_120 runs the 8.x table, compiled for its own instructions: the passes that hold the
     most (head size 256, every branch) and each dtype's largest bucket."""
     every_bucket = [(dtype, d) for dtype in ("bfloat16", "float16") for d in (16, 32, 64, 128)] + [
-        ("float16", 256), ("float32", 16), ("float32", 32), ("float32", 64)]  # fmt: skip
+        ("float16", 256)] + [("float32", d) for d in (16, 32, 64, 128, 256)]  # fmt: skip
     return [
         make_case(100, "bfloat16", 256, flags=dict(ALL_ON, euler=False), window=100),
         *(make_case(100, dtype, d, flags=ALL_OFF, lengths=UNEVEN, kernels=FIRST_PASSES) for dtype, d in every_bucket),
         make_case(120, "bfloat16", 256, p=OTHER_MIX),
         *(make_case(arch, "bfloat16", 64, p=PAPER_MIX, alone=True) for arch in (100, 120)),
         make_case(120, "float16", 128, flags=CAUSAL, kernels=FIRST_PASSES),
-        make_case(120, "float32", 64, kernels=FIRST_PASSES),
+        make_case(120, "float32", 256, kernels=FIRST_PASSES),
     ]
 
 

@@ -101,7 +101,9 @@ def test_the_rule_on_named_cases(gpu):
         assert choose(*cuda_inputs(dtype=torch.float16, head_dim=160)) == "triton"
         assert choose(*cuda_inputs(head_dim=256)) == "triton"
         assert choose(*cuda_inputs(head_dim=320)) == "eager"  # no tiles above head size 256
-        assert choose(*cuda_inputs(dtype=torch.float32, head_dim=128)) == "eager"  # float32 stops at 64
+        assert choose(*cuda_inputs(dtype=torch.float32, head_dim=128)) == "triton"
+        assert choose(*cuda_inputs(dtype=torch.float32, head_dim=256, mask="padding")) == "triton"
+        assert choose(*cuda_inputs(dtype=torch.float32, head_dim=320)) == "eager"
         assert choose(*cuda_inputs(mask="full")) == "eager"  # only key padding is fused
         assert choose(*cuda_inputs(dtype=torch.float64)) == "eager"
         q, k, v, mask = cuda_inputs(mask="padding")

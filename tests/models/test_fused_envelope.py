@@ -5,7 +5,8 @@ would choose for the same inputs on an A100 (8.0), an H100 (9.0), a B200 (10.0) 
 prefill and training call must get the fused kernels, every decoding call the decode path or the kernels: left
 padding, a sliding window shorter than the input, Gemma 3 (head size 256, alternating windows), Llama 4's chunks
 shorter than the input, Phi-3, packed rows
-(both of DataCollatorWithFlattening's forms, through transformers' models and PlatForCausalLM), generation and ViT.
+(both of DataCollatorWithFlattening's forms, through transformers' models and PlatForCausalLM), generation and ViT;
+float32 models at head sizes 128 and 256 too.
 """
 
 import pytest
@@ -55,9 +56,9 @@ def choices(monkeypatch):
     return seen
 
 
-def decoder(model_class, config):
+def decoder(model_class, config, dtype=torch.bfloat16):
     torch.manual_seed(0)
-    return model_class._from_config(config, attn_implementation="plap", dtype=torch.bfloat16).eval()
+    return model_class._from_config(config, attn_implementation="plap", dtype=dtype).eval()
 
 
 def token_ids(batch=2):
@@ -115,6 +116,15 @@ def test_generation_runs_the_kernels_then_the_decode_path(choices, name):
     model_class, config, inputs = SCENARIOS[name]
     decoder(model_class, config).generate(**inputs(), max_new_tokens=3, do_sample=False)
     assert {queries > DECODE_MAX_QUERIES for queries, _ in choices} == {True, False}  # prefill and decoding
+    assert_fused(choices)
+
+
+@pytest.mark.parametrize("name", ["gemma3-256", "llama-128"])
+def test_float32_models_run_the_kernels(choices, name):
+    """Models trained in float32 (no autocast) at head sizes above 64: Gemma 3's 256 and Llama's 128."""
+    model_class, config, inputs = {**SCENARIOS, "llama-128": (LlamaForCausalLM, LlamaConfig(**DECODER, head_dim=128),
+                                                               left_padded)}[name]  # fmt: skip
+    decoder(model_class, config, torch.float32)(**inputs(), use_cache=False).logits.sum().backward()
     assert_fused(choices)
 
 
