@@ -341,7 +341,9 @@ def pair_dot(query_side, key_side, QUERY_AXIS: tl.constexpr, acc=None, CHUNK: tl
                 tile = tl.zeros([key_side[1].shape[0], query_side[1].shape[0]], tl.float32)
         else:
             tile = acc
-        for start in range(0, COLS, CHUNK):  # a loop, not unrolled: the fixed block's loads stay inside it
+        # A loop (not unrolled, so that the fixed block's loads stay inside it) over the padded width, as every size of
+        # a bucket runs it: three steps at head size 96 spilled inside the kernels' loops, four did not.
+        for start in range(0, triton.next_power_of_2(COLS), CHUNK):
             tile = _rows_dot(_load_chunk(query_side, start, COLS, CHUNK), _load_chunk(key_side, start, COLS, CHUNK),
                              QUERY_AXIS, tile)  # fmt: skip
     else:
