@@ -249,9 +249,17 @@ def _launches(kernel, config, query, key, value, tensors, p, is_causal, window, 
             for grid, sizes, meta, key in plan(kernel, config, shape, *flags)]  # fmt: skip
 
 
+def _unwritten(norms):
+    """What a kernel gets for a tensor argument that it never reads nor writes: the values' norms, which no kernel
+    writes. Never an alias of a tensor that the kernel writes: torch.compile's functionalization of a kernel clones each
+    argument that it may write (all of them where its analysis of the kernel fails) and copies each clone back in
+    turn, so that a clone of the untouched alias would overwrite what the kernel wrote."""
+    return norms
+
+
 def _masks(norms, key_keep, documents):
-    """The kernels' KeyKeep and Documents arguments; an absent one is a placeholder tensor never read."""
-    return tuple(norms if mask is None else mask for mask in (key_keep, documents))
+    """The kernels' KeyKeep and Documents arguments; an absent one is never read (``_unwritten``)."""
+    return tuple(_unwritten(norms) if mask is None else mask for mask in (key_keep, documents))
 
 
 def value_norms(value):
@@ -328,10 +336,10 @@ def exact_pass_alone(query, key):
     return query.shape[0] * query.shape[1] * query.shape[2] * key.shape[2] <= ONE_PASS_PAIRS
 
 
-def _exact_flags(query, key, config):
+def _exact_flags(query, key, config, alone):
     """The forward's int32 flags (``exact_block_counts``): its query blocks', written by its first pass, and its key
     tiles', zeroed by its first pass and set by its exact pass; none where every kernel runs its exact pass alone."""
-    counts = (0, 0) if exact_pass_alone(query, key) else exact_block_counts(query, key, config)
+    counts = (0, 0) if alone else exact_block_counts(query, key, config)
     return tuple(query.new_empty(count, dtype=torch.int32) for count in counts)
 
 
@@ -360,6 +368,27 @@ def _fused_op(name, function, fake):
     return op
 
 
+def forward_plan(query, key, value, key_keep, documents, p, is_causal, window, eps, euler, config, alone):
+    """The forward's outputs, allocated, and the launches that write them: the output, then what the backward needs,
+    the row statistics (``_row_stats``), the values' norms and the exact passes' flags (``_exact_flags``); ``alone``:
+    each kernel runs its exact pass alone (``exact_pass_alone``)."""
+    batch, heads, num_queries, _ = query.shape
+    out = query.new_empty(batch, heads, num_queries, value.shape[-1])  # (B, H, Nq, dv)
+    row_stats = torch.empty(1 + euler, batch, heads, num_queries, device=query.device, dtype=torch.float32)
+    norms = value_norms(value)  # (B, H, Nk)
+    exact_blocks = _exact_flags(query, key, config, alone)
+    lse, own_weight = _row_stats(row_stats, norms, euler)
+    launches = forward_launches(query, key, value, norms, key_keep, documents, out, lse, own_weight, exact_blocks,
+                                tuple(p), is_causal, eps, euler, config, alone, window)  # fmt: skip
+    return (out, row_stats, norms, *exact_blocks), launches
+
+
+def _row_stats(row_stats, norms, euler):
+    """(logsumexp, own weights) of the forward's row statistics (1 + euler, B, H, Nq): one allocation. Without euler
+    the kernels never touch own weights, and ``norms``, which no kernel writes, stands in for them (``_unwritten``)."""
+    return (row_stats[0], row_stats[1]) if euler else (row_stats, _unwritten(norms))
+
+
 def _fused_forward(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -373,24 +402,12 @@ def _fused_forward(
     euler: bool,
     config: list[int],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The output, then what the backward needs: the row statistics (``_row_stats``), the values' norms and the exact
-    passes' flags (``_exact_flags``)."""
-    batch, heads, num_queries, _ = query.shape
-    out = query.new_empty(batch, heads, num_queries, value.shape[-1])  # (B, H, Nq, dv)
-    row_stats = torch.empty(1 + euler, batch, heads, num_queries, device=query.device, dtype=torch.float32)
-    norms = value_norms(value)  # (B, H, Nk)
-    config, alone = _unflat(config), exact_pass_alone(query, key)
-    exact_blocks = _exact_flags(query, key, config)
-    for launch in forward_launches(query, key, value, norms, key_keep, documents, out, *_row_stats(row_stats, euler),
-                                   exact_blocks, tuple(p), is_causal, eps, euler, config, alone, window):  # fmt: skip
+    """``forward_plan``'s outputs, its launches run."""
+    outputs, launches = forward_plan(query, key, value, key_keep, documents, p, is_causal, window, eps, euler,
+                                     _unflat(config), exact_pass_alone(query, key))  # fmt: skip
+    for launch in launches:
         _run(launch, query, value)
-    return out, row_stats, norms, *exact_blocks
-
-
-def _row_stats(row_stats, euler):
-    """(logsumexp, own weights) of the forward's row statistics (1 + euler, B, H, Nq): one allocation. Without euler the
-    tensor itself is both (its one slab starts where it does; the kernels never write own weights then): no view."""
-    return (row_stats[0], row_stats[1]) if euler else (row_stats, row_stats)
+    return outputs
 
 
 def _fake_forward(query, key, value, key_keep, documents, p, is_causal, window, eps, euler, config):
@@ -398,7 +415,23 @@ def _fake_forward(query, key, value, key_keep, documents, p, is_causal, window, 
     return (query.new_empty(batch, heads, num_queries, value.shape[-1]),
             query.new_empty(1 + euler, batch, heads, num_queries, dtype=torch.float32),
             query.new_empty(value.shape[:3], dtype=torch.float32),
-            *_exact_flags(query, key, _unflat(config)))  # fmt: skip
+            *_exact_flags(query, key, _unflat(config), exact_pass_alone(query, key)))  # fmt: skip
+
+
+def backward_plan(grad_out, query, key, value, key_keep, documents, out, row_stats, norms, query_blocks, key_tiles,
+                  p, is_causal, window, eps, euler, config, alone):  # fmt: skip
+    """The gradients of query, key and value, allocated, and the launches that write them, from the forward's inputs
+    and ``forward_plan``'s outputs."""
+    delta = torch.empty(query.shape[:3], device=query.device, dtype=torch.float32)  # written by the dq kernel
+    own_dot = torch.empty_like(delta) if euler else _unwritten(norms)  # the paper formulation's kernels never read it
+    grad_q, grad_k, grad_v = torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
+    grad_v_own = torch.empty(out.shape, device=query.device, dtype=torch.float32)
+    lse, own_weight = _row_stats(row_stats, norms, euler)
+    launches = backward_launches(
+        query, key, value, norms, key_keep, documents, grad_out, out, lse, delta, own_dot, own_weight, grad_q, grad_k,
+        grad_v, grad_v_own, (query_blocks, key_tiles), tuple(p), is_causal, eps, euler, config, alone, window,
+    )  # fmt: skip
+    return (grad_q, grad_k, grad_v), launches
 
 
 def _fused_backward(
@@ -420,19 +453,13 @@ def _fused_backward(
     euler: bool,
     config: list[int],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    grad_out = grad_out.contiguous()
-    delta = torch.empty(query.shape[:3], device=query.device, dtype=torch.float32)  # written by the dq kernel
-    own_dot = torch.empty_like(delta) if euler else delta  # the paper formulation's kernels never read it
-    grad_q, grad_k, grad_v = torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
-    grad_v_own = torch.empty(out.shape, device=query.device, dtype=torch.float32)
-    config, alone = _unflat(config), exact_pass_alone(query, key)
-    lse, own_weight = _row_stats(row_stats, euler)
-    for launch in backward_launches(
-        query, key, value, norms, key_keep, documents, grad_out, out, lse, delta, own_dot, own_weight, grad_q, grad_k,
-        grad_v, grad_v_own, (query_blocks, key_tiles), tuple(p), is_causal, eps, euler, config, alone, window,
-    ):  # fmt: skip
+    """``backward_plan``'s gradients, its launches run."""
+    grads, launches = backward_plan(grad_out.contiguous(), query, key, value, key_keep, documents, out, row_stats,
+                                    norms, query_blocks, key_tiles, p, is_causal, window, eps, euler, _unflat(config),
+                                    exact_pass_alone(query, key))  # fmt: skip
+    for launch in launches:
         _run(launch, query, value)
-    return grad_q, grad_k, grad_v
+    return grads
 
 
 def _fake_backward(grad_out, query, key, value, key_keep, documents, out, row_stats, norms, query_blocks, key_tiles,

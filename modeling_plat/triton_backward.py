@@ -181,7 +181,8 @@ def plap_dkdv_kernel(
         k = load_rows(K + slab * num_keys * HEAD_DIM, cols, num_keys, HEAD_DIM, BLOCK_D)  # [BN, BD]
         values = load_rows(V, cols, num_keys, VALUE_DIM, BLOCK_DV)  # [BN, BDV]
     sq_keys_eps = squared_norms(Norms, cols, num_keys) + eps  # [BN]
-    docs, span = fixed_documents(Documents, slab, num_heads, cols, num_keys, HAS_DOCUMENTS)
+    docs, span = fixed_documents(Documents if HAS_DOCUMENTS else None, slab, num_heads, cols, num_keys,
+                                 HAS_DOCUMENTS)
     keys = (cols, k, values, sq_keys_eps, close_bounds(sq_keys_eps, eps, 1))
     queries = (slab, Q, V, Norms, GradOut, Lse, Delta, OwnDot, (key_keep_row, docs, window))
     sizes = (num_queries, num_keys)
@@ -280,7 +281,8 @@ def plap_dq_kernel(
     sq_query_eps = query_norms * query_norms + eps
     bounds = close_bounds(sq_query_eps, eps, 0)
     delta, own_dot = _row_stats(Out, Delta, OwnDot, slab, rows, grad_out, v_query, num_queries, VALUE_DIM, EULER)
-    docs, span = fixed_documents(Documents, slab, num_heads, rows, num_keys, HAS_DOCUMENTS)
+    docs, span = fixed_documents(Documents if HAS_DOCUMENTS else None, slab, num_heads, rows, num_keys,
+                                 HAS_DOCUMENTS)
     tile_grad_out = (GradOut + slab * num_queries * VALUE_DIM, rows, num_queries) if HEAD_CHUNK else grad_out
     queries = (rows, q, v_query_m2, sq_query_eps, bounds, tile_grad_out, (lse, delta, own_dot))
     keys = (K, V, Norms, (key_keep_row, docs, window))

@@ -110,7 +110,8 @@ def plap_forward_kernel(
         q = load_rows(Q + slab * num_queries * HEAD_DIM, rows, num_queries, HEAD_DIM, BLOCK_D)  # [BM, BD]
         v_query = load_rows(V, rows + offset, num_keys, VALUE_DIM, BLOCK_DV)  # [BM, BDV]
     sq_query_eps = squared_norms(Norms + offset, rows, num_queries) + eps  # [BM]
-    docs, span = fixed_documents(Documents, slab, num_heads, rows, num_keys, HAS_DOCUMENTS)
+    docs, span = fixed_documents(Documents if HAS_DOCUMENTS else None, slab, num_heads, rows, num_keys,
+                                 HAS_DOCUMENTS)
     queries = (rows, q, v_query if HEAD_CHUNK else times_minus_two(v_query), sq_query_eps,
                close_bounds(sq_query_eps, eps, 0))
     keys = (K, V, Norms, KeyTiles, (KeyKeep + (slab // num_heads) * num_keys, docs, window))

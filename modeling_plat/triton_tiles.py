@@ -355,7 +355,10 @@ def pair_dot(query_side, key_side, QUERY_AXIS: tl.constexpr, acc=None, CHUNK: tl
 def fixed_documents(Documents, slab, num_heads, positions, num_keys, HAS_DOCUMENTS: tl.constexpr):
     """What the tiles of a kernel's fixed block need of packed documents: (the row of the document table,
     the block's document ids, their smallest and largest id), and the span (first, end) of positions that
-    its tokens may pair with. Without documents, the span of the whole row."""
+    its tokens may pair with. Without documents, the span of the whole row, and ``Documents`` is None: torch.compile's
+    analysis of a kernel (which tensors it writes) takes what a call returns as derived from every pointer that the
+    call is given, and the loop bounds would make the exact pass's flag stores look like stores to the placeholder,
+    which aliases other arguments."""
     if HAS_DOCUMENTS:
         row = Documents + (slab // num_heads) * num_keys * 3
         inside = positions < num_keys
@@ -364,7 +367,7 @@ def fixed_documents(Documents, slab, num_heads, positions, num_keys, HAS_DOCUMEN
         first = tl.min(tl.load(row + positions * 3 + 1, mask=inside, other=num_keys))
         span = (first, tl.max(tl.load(row + positions * 3 + 2, mask=inside, other=0)))
     else:
-        docs = (Documents, 0, 0, 0)
+        docs = (0, 0, 0, 0)
         span = (0, num_keys)
     return docs, span
 

@@ -7,8 +7,12 @@ Here the forward, dK/dV and dQ kernels (each a first pass and an exact pass) are
 the architectures of the GPUs that run them (triton_configs.SHARED_MEMORY_LIMIT), for the dtypes and head sizes that
 ``triton_unsupported_reason`` admits there. Each must compile and its shared memory must fit the smallest limit among
 the GPUs that run its table (triton_configs.FAMILY_TABLES: sm_120 runs the 8.x table within 99 KB; the sample also
-spills at most 4 KB per thread); registers and spills are printed. Triton's cache points at a new directory, so that
-nothing compiled before can hide a failure; the compilation starts with the first attention test (conftest.py).
+spills at most 4 KB per thread); registers and spills are printed. Each launch is also analysed as torch.compile
+sees it (``triton_aot.written_arguments``, torch's own analysis of the kernel for that target): the analysis must
+succeed, and no tensor that the kernel writes may share memory with another of its arguments, or the clones that
+torch.compile's functionalization writes back would overwrite each other. Triton's cache points at a new directory,
+so that nothing compiled before can hide a failure; the compilation starts with the first attention test
+(conftest.py).
 
 By default a sample (``SAMPLE``, 228 kernel passes): on sm_80 and sm_90 every padded head size each dtype is admitted
 at, every kernel and pass of each dtype, each side of every branch (causal, a sliding window, key padding, packed
@@ -201,6 +205,10 @@ def check(result, arch, max_spill=None):
     assert result["shared"] <= shared_memory_limit(arch), f"{result['shared']} bytes of shared memory"
     if max_spill is not None:
         assert result["spill_stores"] <= max_spill, f"{result['spill_stores']} bytes of spills per thread"
+    for launch in result["launches"]:  # torch.compile's view of each launch (triton_aot.written_arguments)
+        assert launch["written"] is not None, "torch's analysis of the kernel failed: it takes every tensor as written"
+        assert {"Out", "GradQ", "GradK"} & set(launch["written"]), launch["written"]
+        assert not launch["overlaps"], f"written arguments share memory with others: {launch['overlaps']}"
 
 
 def case_kernel_params(cases):

@@ -12,7 +12,8 @@ functions, so compilation runs in child processes without it: a ``Compilation`` 
     python tools/kernels/triton_aot.py cases.json
 
 each of which prints one JSON line per kernel: shared memory bytes, registers and spills (from ``ptxas -v``),
-compile seconds and the Triton version, or the error.
+compile seconds and the Triton version, or the error, and for each launch the tensors that torch.compile takes as
+written by it (``written_arguments``).
 
 The children import the installed Triton, or the one in the folder that ``PLAT_AOT_TRITON`` names (a
 ``pip install --no-deps --target`` of another version): a GPU runs the Triton its torch pins, not necessarily this
@@ -22,6 +23,7 @@ machine's (tools/kernels/README.md).
 import contextlib
 import io
 import json
+import logging
 import os
 import re
 import subprocess
@@ -69,33 +71,25 @@ def case_id(case):
 
 
 def launches(triton_module, case):
-    """The (name, Launch) of the kernels for a case, on CPU tensors shaped as a small real input: three heads with
-    the case's p (at most two values: the paper's two are a launch each, under the same name, or one launch of the
-    exact pass alone where a case sets ``alone``, as small calls run it); ``window``, when a case gives one, is a
-    causal sliding window's size."""
+    """The (name, Launch) of the kernels for a case, with their arguments as a real call makes them
+    (``forward_plan``, ``backward_plan``), on CPU tensors shaped as a small real input: three heads with the case's p
+    (at most two values: the paper's two are a launch each, under the same name, or one launch of the exact pass alone
+    where a case sets ``alone``, as small calls run it); ``window``, when a case gives one, is a causal sliding
+    window's size."""
     batch, heads = 2, HEADS
     dtype = DTYPES[case["dtype"]]
     nq, nk, d, dv = case["num_queries"], case["num_keys"], case["head_dim"], case["value_dim"]
     query = torch.zeros(batch, heads, nq, d, dtype=dtype)
     key = torch.zeros(batch, heads, nk, d, dtype=dtype)
     value = torch.zeros(batch, heads, nk, dv, dtype=dtype)
-    out = torch.zeros(batch, heads, nq, dv, dtype=dtype)
-    stats = torch.zeros(batch, heads, nq)  # lse, own weight, delta, own dot
-    norms = torch.zeros(batch, heads, nk)
     key_keep = torch.ones(batch, nk, dtype=torch.int8) if case["key_mask"] else None
     documents = torch.zeros(batch, nk, 3, dtype=torch.int32) if case.get("documents") else None
-    # dq, dk, dv, and dv's query side in float32
-    grads = [torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value), torch.zeros(out.shape)]
     config = triton_module.launch_config(dtype, d, dv, (case["arch"] // 10, case["arch"] % 10))
-    flags = (case_p(case), case["is_causal"], 1e-6, case["euler"], config)
-    exact_blocks = [torch.zeros(count, dtype=torch.int32) for count in
-                    triton_module.exact_block_counts(query, key, config)]  # fmt: skip
-    window, alone = case.get("window", 0), case.get("alone", False)
-    forward = triton_module.forward_launches(query, key, value, norms, key_keep, documents, out, stats, stats,
-                                             exact_blocks, *flags, exact_only=alone, window=window)  # fmt: skip
-    backward = triton_module.backward_launches(query, key, value, norms, key_keep, documents, out, out, stats,
-                                               stats, stats, stats, *grads, exact_blocks, *flags, exact_only=alone,
-                                               window=window)  # fmt: skip
+    flags = (case_p(case), case["is_causal"], case.get("window", 0), 1e-6, case["euler"], config,
+             case.get("alone", False))  # fmt: skip
+    outputs, forward = triton_module.forward_plan(query, key, value, key_keep, documents, *flags)
+    grad_out = torch.zeros_like(outputs[0])
+    _, backward = triton_module.backward_plan(grad_out, query, key, value, key_keep, documents, *outputs, *flags)
     return [(kernel_name(triton_module, launch), launch) for launch in (*forward, *backward)]
 
 
@@ -146,6 +140,71 @@ def compile_with_log(launch, arch, float64_scalars=False):
     return compiled, log.getvalue()
 
 
+class _StandInDriver:
+    """Answers torch's question for the GPU that a kernel is analysed for (``written_arguments``): sm_<arch>."""
+
+    def __init__(self, arch):
+        from triton.backends.compiler import GPUTarget
+
+        self.target = GPUTarget("cuda", arch, 32)
+
+    def get_current_target(self):
+        return self.target
+
+
+class _AnalysisFailure(logging.Handler):
+    """Catches the warning with which torch's analysis of a kernel gives up (and takes every tensor as written)."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.failed = None
+
+    def emit(self, record):
+        self.failed = record.getMessage()
+
+
+def written_arguments(launch, arch):
+    """(written, overlaps): the names of the tensor arguments that torch.compile takes as written by a launch, and the
+    pairs (written, other) of its tensor arguments whose memory overlaps. ``written`` comes from torch's own analysis
+    of the kernel's TTIR for sm_<arch> (``identify_accessed_tensors``), with the arguments of the launch that
+    torch.compile traces (``triton_launcher.traced_launch``); the functionalization of a traced launch clones each
+    written tensor, runs the kernel on the clones and copies each one back, so that an overlap loses what the kernel
+    wrote. ``written`` is None where the analysis failed: torch then takes every tensor as written."""
+    import triton
+    from torch._higher_order_ops import triton_kernel_wrap
+
+    from modeling_plat.triton_launcher import UNTRACED_OPTIONS
+
+    names = launch.kernel.arg_names
+    tensors = dict(zip(names, launch.args[: launch.tensors]))
+    kwargs = dict(zip(names, launch.args))
+    kwargs.update((name, value) for name, value in launch.meta.items() if name not in UNTRACED_OPTIONS)
+    failure, logger = _AnalysisFailure(), logging.getLogger(triton_kernel_wrap.__name__)
+    driver, previous = triton.runtime.driver, triton.runtime.driver._active
+    driver.set_active(_StandInDriver(arch))
+    logger.addHandler(failure)
+    try:
+        accesses = triton_kernel_wrap.identify_accessed_tensors(launch.kernel, kwargs, {})
+    finally:
+        logger.removeHandler(failure)
+        driver._active = previous
+    written = sorted(dep.name for dep in accesses.read_writes.writes if dep.name in tensors)
+    overlaps = [(name, other) for name in written for other in tensors
+                if other != name and _overlap(tensors[name], tensors[other])]  # fmt: skip
+    return (None if failure.failed else written), overlaps
+
+
+def _overlap(first, second):
+    """Whether two tensors' memory overlaps (the span from each one's first to its last element)."""
+    spans = []
+    for tensor in (first, second):
+        if tensor.numel() == 0:
+            return False
+        last = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
+        spans.append((tensor.data_ptr(), tensor.data_ptr() + (last + 1) * tensor.element_size()))
+    return spans[0][0] < spans[1][1] and spans[1][0] < spans[0][1]
+
+
 def compile_case(triton_module, case):
     """One result dict per kernel of the case: where its heads make several launches of a kernel pass
     (``plap_attention_triton.launch_groups``), their largest shared memory, registers and spills (each launch's in
@@ -160,7 +219,8 @@ def compile_case(triton_module, case):
         try:
             compiled, log = compile_with_log(launch, case["arch"], case.get("float64_scalars", False))
             usage = dict(shared=compiled.metadata.shared, **ptxas_usage(log))
-            result["launches"].append(dict(meta=launch.meta, **usage))
+            written, overlaps = written_arguments(launch, case["arch"])
+            result["launches"].append(dict(meta=launch.meta, written=written, overlaps=overlaps, **usage))
             for field, value in usage.items():
                 result[field] = max(result.get(field) or 0, value or 0) if value is not None else result.get(field)
         except Exception as error:  # reported to the test, which fails on it
