@@ -249,17 +249,13 @@ def _launches(kernel, config, query, key, value, tensors, p, is_causal, window, 
             for grid, sizes, meta, key in plan(kernel, config, shape, *flags)]  # fmt: skip
 
 
-def _unwritten(norms):
-    """What a kernel gets for a tensor argument that it never reads nor writes: the values' norms, which no kernel
-    writes. Never an alias of a tensor that the kernel writes: torch.compile's functionalization of a kernel clones each
-    argument that it may write (all of them where its analysis of the kernel fails) and copies each clone back in
-    turn, so that a clone of the untouched alias would overwrite what the kernel wrote."""
-    return norms
-
-
 def _masks(norms, key_keep, documents):
-    """The kernels' KeyKeep and Documents arguments; an absent one is never read (``_unwritten``)."""
-    return tuple(_unwritten(norms) if mask is None else mask for mask in (key_keep, documents))
+    """The kernels' KeyKeep and Documents arguments. An absent one is never read, and gets the values' norms, as every
+    tensor argument that a kernel does not use does: no kernel writes them. A placeholder must not alias a tensor that
+    the kernel writes: torch.compile's functionalization of a kernel clones each argument that it may write (all of
+    them where its analysis of the kernel fails) and copies the clones back in turn, so that the clone of an untouched
+    alias would overwrite what the kernel wrote."""
+    return tuple(norms if mask is None else mask for mask in (key_keep, documents))
 
 
 def value_norms(value):
@@ -385,8 +381,8 @@ def forward_plan(query, key, value, key_keep, documents, p, is_causal, window, e
 
 def _row_stats(row_stats, norms, euler):
     """(logsumexp, own weights) of the forward's row statistics (1 + euler, B, H, Nq): one allocation. Without euler
-    the kernels never touch own weights, and ``norms``, which no kernel writes, stands in for them (``_unwritten``)."""
-    return (row_stats[0], row_stats[1]) if euler else (row_stats, _unwritten(norms))
+    the kernels never touch own weights, and the values' norms stand in for them (``_masks``)."""
+    return (row_stats[0], row_stats[1]) if euler else (row_stats, norms)
 
 
 def _fused_forward(
@@ -423,7 +419,7 @@ def backward_plan(grad_out, query, key, value, key_keep, documents, out, row_sta
     """The gradients of query, key and value, allocated, and the launches that write them, from the forward's inputs
     and ``forward_plan``'s outputs."""
     delta = torch.empty(query.shape[:3], device=query.device, dtype=torch.float32)  # written by the dq kernel
-    own_dot = torch.empty_like(delta) if euler else _unwritten(norms)  # the paper formulation's kernels never read it
+    own_dot = torch.empty_like(delta) if euler else norms  # never read by the paper formulation (``_masks``)
     grad_q, grad_k, grad_v = torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
     grad_v_own = torch.empty(out.shape, device=query.device, dtype=torch.float32)
     lse, own_weight = _row_stats(row_stats, norms, euler)

@@ -187,7 +187,7 @@ def written_arguments(launch, arch):
         accesses = triton_kernel_wrap.identify_accessed_tensors(launch.kernel, kwargs, {})
     finally:
         logger.removeHandler(failure)
-        driver._active = previous
+        driver._active = previous  # as it was: its ``active`` would create the CUDA driver
     written = sorted(dep.name for dep in accesses.read_writes.writes if dep.name in tensors)
     overlaps = [(name, other) for name in written for other in tensors
                 if other != name and _overlap(tensors[name], tensors[other])]  # fmt: skip
