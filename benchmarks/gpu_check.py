@@ -36,7 +36,10 @@ Sections, each a list of JSON rows in the record (a row that failed says why in 
 - train: optimizer steps (forward, backward, AdamW) under bf16 autocast of benchmarks/bench_train_step.py's
   vision (DeiT-tiny), lm (the paper's LM) and llama-125m (12 x 768, 8 x 1024 tokens) pairs, p-LaT against
   transformers' twins with SDPA (its default backend); medians after warm-up, peak memory.
-- compile: the plat-ptb-tiny and plat-llama-tiny presets' training steps under torch.compile(fullgraph=True)
+- compile: bfloat16 plap_attention compiled (fullgraph) against eager at the paper LM's shape and a causal 2k, each
+  formulation: the output and the gradients of q, k and v within bfloat16's tolerance (the kernels as Inductor
+  launches them, their written arguments functionalized); the plat-ptb-tiny and plat-llama-tiny presets' training
+  steps under torch.compile(fullgraph=True)
   against eager (first-call and step times, graphs, graph breaks), the first also with mode="reduce-overhead"
   (CUDA graphs), and greedy generation with model.forward compiled (fullgraph): graphs, tokens against eager.
 - fallback: where the kernels cannot run (a (B, H, N, N) mask), the eager and tiled backends' forward + backward
@@ -88,7 +91,7 @@ SECTIONS = ("sweep", "attention", "envelope", "kernels", "train", "compile", "fa
 # Seconds each section is expected to take on an H100 or H200 (kernel builds and Inductor compiles dominate; attention,
 # kernels and train as measured on an H200, 2026-11-27), which the budget guard adds to the time used before starting
 # it; the sweep stops waiting for its cases when the budget runs out.
-EXPECTED_S = {"sweep": 150, "attention": 90, "envelope": 40, "kernels": 20, "train": 30, "compile": 150, "fallback": 40,
+EXPECTED_S = {"sweep": 150, "attention": 90, "envelope": 40, "kernels": 20, "train": 30, "compile": 180, "fallback": 40,
               "decode": 40, "main-job": 90}
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -131,6 +134,9 @@ MATMUL_FLOOR = {"plat": (3, 11), "sdpa": (2, 7)}
 
 TRAIN_BATCHES = {"vision": 64, "lm": 16, "llama-125m": 8}
 COMPILE_PRESETS = ("plat-ptb-tiny", "plat-llama-tiny")
+# plap_attention compiled against eager, bfloat16, the paper's p mix, each formulation: the paper LM's shape (each
+# kernel's exact pass alone) and a causal 2k (first passes, then exact passes).
+COMPILED_ATTENTION_SHAPES = {"paper-lm": ATTENTION_SHAPES["paper-lm"], "2k": (2, 4, 2048, 64, True)}
 CUDA_GRAPHS_PRESET = "plat-ptb-tiny"
 # What auto should run on CUDA: the fused kernels, and the decode path for a few queries.
 FUSED = {"triton", "decode"}
@@ -867,12 +873,49 @@ def compiled_generation_row(preset, model, device, compiler, new_tokens):
                 tokens_equal_eager=torch.equal(tokens, expected), backends=dict(chosen), **dynamo_counts())  # fmt: skip
 
 
+def compiled_attention_row(name, shape, formulation, device, compiler):
+    """plap_attention's output and the gradients of q, k and v, compiled (fullgraph) against eager on the same inputs:
+    on a GPU the fused kernels as Inductor launches them, with their arguments functionalized (each tensor a kernel
+    writes is cloned and copied back), which an argument that aliased a written one would break."""
+    batch, heads, length, head_dim, causal = shape
+    q, k, v, grad_out = bf16_attention_inputs(batch, heads, length, head_dim, device)
+    p = tuple(paper_p_mix(heads))
+    row = dict(name=f"{name}/attention-{formulation}", kind="attention", formulation=formulation, batch=batch,
+               heads=heads, length=length, head_dim=head_dim, causal=causal)  # fmt: skip
+
+    def attend(q, k, v):
+        return plap_attention(q, k, v, p, is_causal=causal, formulation=formulation)
+
+    def forward_backward(attend):
+        out = attend(q, k, v)
+        return (out, *torch.autograd.grad(out, (q, k, v), grad_out))
+
+    expected = forward_backward(attend)
+    fresh_dynamo()
+    with backend_spy() as chosen:
+        compiled = forward_backward(torch.compile(attend, backend=compiler, fullgraph=True))
+    errors = {part: relative_error(ours, reference)
+              for part, ours, reference in zip(("out", "grad_q", "grad_k", "grad_v"), compiled, expected)}  # fmt: skip
+    tolerance = TOLERANCE["bfloat16"]
+    row.update(errors=errors, tolerance=tolerance, backends=dict(chosen), **dynamo_counts())
+    row["failures"] = [f"{part}: relative error {error:.2e} > {tolerance}" for part, error in errors.items()
+                       if not error <= tolerance]  # fmt: skip
+    return row
+
+
 def compile_section(device, log, presets=COMPILE_PRESETS, cuda_graphs_preset=CUDA_GRAPHS_PRESET, compiler="inductor",
-                    batch=32, warmup=3, repeats=10, new_tokens=12):  # fmt: skip
+                    batch=32, warmup=3, repeats=10, new_tokens=12, attention_shapes=COMPILED_ATTENTION_SHAPES):  # fmt: skip
     from bench_train_step import batches, compile_pair
 
     inputs = to_device(batches("compile", batch), device)
     rows = []
+    for (name, shape), formulation in itertools.product(attention_shapes.items(), ("paper", "euler")):
+        try:
+            rows.append(compiled_attention_row(name, shape, formulation, device, compiler))
+        except Exception as error:
+            rows.append(dict(name=f"{name}/attention-{formulation}", kind="attention", **error_fields(error)))
+        log(f"compile {rows[-1]['name']}: " + json.dumps({key: rows[-1].get(key) for key in (
+            "errors", "backends", "graph_breaks", "error")}))
     for preset in presets:
         try:
             compiled, eager = compile_pair(preset, backend=compiler)("auto").values()

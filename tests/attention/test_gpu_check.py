@@ -232,8 +232,14 @@ def test_compile_section_on_cpu(tmp_path):
     config = json.loads(Path(resolve_config_name("plat-ptb-tiny")).read_text())
     preset.write_text(json.dumps(dict(config, num_hidden_layers=1, hidden_size=32, intermediate_size=64)))
     rows = gpu_check.compile_section(CPU, quiet, presets=(str(preset),), cuda_graphs_preset=str(preset),
-                                     compiler="aot_eager", batch=2, warmup=1, repeats=1, new_tokens=3)  # fmt: skip
-    step, graphs, generate = rows
+                                     compiler="aot_eager", batch=2, warmup=1, repeats=1, new_tokens=3,
+                                     attention_shapes={"tiny": (2, 2, 24, 16, True)})  # fmt: skip
+    paper, euler, step, graphs, generate = rows
+    for row, formulation in ((paper, "paper"), (euler, "euler")):
+        assert row["name"] == f"tiny/attention-{formulation}" and not row["failures"], row
+        assert row["graph_breaks"] == 0 and row["graphs"] == 1 and sum(row["backends"].values()) == 1
+        assert set(row["errors"]) == {"out", "grad_q", "grad_k", "grad_v"}
+        assert all(error <= row["tolerance"] for error in row["errors"].values())
     assert "error" not in step and step["graph_breaks"] == 0 and step["graphs"] == 1, step
     (chosen,) = step["backends"]  # the backend compiled in is the one eager runs
     assert step["ratio_to_eager"] > 0 and step["backends"] == {chosen: 1}  # 3 calls, counted once while tracing
