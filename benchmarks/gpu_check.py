@@ -32,7 +32,8 @@ Sections, each a list of JSON rows in the record (a row that failed says why in 
   per call, microseconds per call and per launch in launch order (a kernel's first pass, then its exact pass), at the
   paper LM's and the kernel-speed shapes (4k, 4k-d128, 16k, paper mix) and at 4k with every head at p = 1.5 (one
   launch per kernel): what tools/kernels/gpu_time_model.py is calibrated on; and the host time of a call, in all and in
-  the Triton launches (the part a synchronised call's GPU waits for before its first kernel).
+  the Triton launches (the part a synchronised call's GPU waits for before its first kernel), and a profile of that
+  host time (cProfile: the functions with the most own time, allocations and launchers included).
 - train: optimizer steps (forward, backward, AdamW) under bf16 autocast of benchmarks/bench_train_step.py's
   vision (DeiT-tiny), lm (the paper's LM) and llama-125m (12 x 768, 8 x 1024 tokens) pairs, p-LaT against
   transformers' twins with SDPA (its default backend); medians after warm-up, peak memory.
@@ -61,6 +62,7 @@ from (a baseline's on PYTHONPATH is measured the same way). Exit status: 1 if an
 
 import argparse
 import collections
+import cProfile
 import contextlib
 import datetime
 import functools
@@ -70,6 +72,7 @@ import json
 import multiprocessing
 import os
 import platform
+import pstats
 import re
 import statistics
 import subprocess
@@ -123,6 +126,8 @@ KERNEL_SPEED_TARGETS = [("4k", "fwd", 2.0), ("4k", "fwd_bwd", 2.5), ("4k-d128", 
 KERNEL_SPEED_SHAPES = tuple(dict.fromkeys(name for name, _, _ in KERNEL_SPEED_TARGETS))
 PEAK_MEMORY_LIMIT = 1.2
 # name: (shape, p per head: None for the paper's mix) of the kernels section.
+# Functions a kernels row's host profile keeps, by own time.
+HOST_PROFILE_TOP = 30
 KERNEL_CASES = {
     **{name: (ATTENTION_SHAPES[name], None) for name in ("paper-lm", *KERNEL_SPEED_SHAPES)},
     "4k-p1.5": (ATTENTION_SHAPES["4k"], 1.5),
@@ -711,6 +716,48 @@ def host_times(call, device, repeats):
                 launch_us=statistics.median(sum(times) for times in launches) * 1e6)  # fmt: skip
 
 
+def host_profile(call, device, repeats, top=HOST_PROFILE_TOP):
+    """Where one call() spends its host time: cProfile over ``repeats`` calls (the GPU idle at each start), the
+    ``top`` functions by own time (builtins such as a tensor allocation or a kernel's launcher included), in
+    microseconds per call, own and cumulative, with their calls per call, and ``own_us``, the own times of every
+    function summed. The profiler adds its own cost to every function call: the shares tell, not the absolute times.
+    From Python 3.12 on cProfile also sees the backward's Python, which the autograd engine runs in a thread of its
+    own for CUDA tensors; before, that time is the own time of the engine's ``run_backward``."""
+    profiler = cProfile.Profile()
+    for _ in range(repeats):
+        synchronize(device)
+        profiler.enable()
+        try:
+            call()
+        finally:
+            profiler.disable()
+    synchronize(device)
+    # pstats' table: (file, line, function) -> (primitive calls, calls, own seconds, cumulative seconds, callers).
+    table = pstats.Stats(profiler).stats
+    functions = [dict(function=_function_label(*where), calls=calls / repeats, own_us=own / repeats * 1e6,
+                      cumulative_us=cumulative / repeats * 1e6)
+                 for where, (_, calls, own, cumulative, _) in table.items()]  # fmt: skip
+    functions.sort(key=lambda function: -function["own_us"])
+    return dict(own_us=sum(function["own_us"] for function in functions), python=platform.python_version(),
+                functions=functions[:top])  # fmt: skip
+
+
+def _function_label(file, line, name):
+    """``path:line(name)`` with the path from the package folder on (``site-packages/`` or this repository cut), or
+    the builtin's own name."""
+    if file == "~":
+        return name
+    parts = Path(file).parts
+    for anchor in ("site-packages", "dist-packages"):
+        if anchor in parts:
+            parts = parts[len(parts) - parts[::-1].index(anchor) :]
+            break
+    else:
+        if Path(file).is_relative_to(ROOT):
+            parts = Path(file).relative_to(ROOT).parts
+    return f"{'/'.join(parts)}:{line}({name})"
+
+
 def kernels_section(device, log, cases=KERNEL_CASES, repeats=5):
     rows = []
     for name, ((batch, heads, length, head_dim, causal), p) in cases.items():
@@ -727,6 +774,7 @@ def kernels_section(device, log, cases=KERNEL_CASES, repeats=5):
             # work read 1.73 ms where the attention section's whole synchronised call took 1.33.
             with backend_spy() as chosen:
                 row["host"] = host_times(call, device, repeats)
+                row["host_profile"] = host_profile(call, device, repeats)
                 row["kernels"] = kernel_times(call, device, repeats)
             row["backends"] = dict(chosen)
             row["total_us"] = sum(kernel["us"] for kernel in row["kernels"].values())
@@ -734,7 +782,9 @@ def kernels_section(device, log, cases=KERNEL_CASES, repeats=5):
             log(f"kernels {name}: {row['total_us']:.0f} us, " + ", ".join(f"{kernel} {times['us']:.0f}"
                                                                           for kernel, times in top)
                 + f"; host {row['host']['call_us']:.0f} us, {row['host']['launch_us']:.0f} in "
-                  f"{row['host']['launches']} Triton launches")  # fmt: skip
+                  f"{row['host']['launches']} Triton launches; most own host time (profiled): "
+                + ", ".join(f"{function['function']} {function['own_us']:.0f} us"
+                            for function in row["host_profile"]["functions"][:3]))  # fmt: skip
         except Exception as error:
             row.update(error_fields(error))
         rows.append(row)

@@ -195,10 +195,15 @@ def test_kernels_section_on_cpu():
     cases = {"tiny": ((1, 2, 24, 8, True), None), "tiny-p1.5": ((1, 2, 24, 8, True), 1.5)}
     mixed, single = gpu_check.kernels_section(CPU, quiet, cases=cases, repeats=2)
     assert mixed["p"] == [1.5, 2.5] and single["p"] == [1.5]
-    assert "failures" not in mixed and mixed["backends"] == {"eager": 5}  # the first call, two profiled, two timed
+    # Two calls timed for the host, two profiled for it, then a warm-up and two profiled for the kernels.
+    assert "failures" not in mixed and mixed["backends"] == {"eager": 7}
     assert mixed["total_us"] == sum(kernel["us"] for kernel in mixed["kernels"].values()) > 0
     assert mixed["kernels"]["aten::bmm"]["launches"] >= 1
     assert mixed["host"]["call_us"] > 0 and mixed["host"]["launches"] == 0  # eager: no Triton launch
+    functions = mixed["host_profile"]["functions"]
+    assert 0 < len(functions) <= gpu_check.HOST_PROFILE_TOP
+    assert [f["own_us"] for f in functions] == sorted((f["own_us"] for f in functions), reverse=True)
+    assert sum(f["own_us"] for f in functions) <= mixed["host_profile"]["own_us"]
 
 
 @pytest.mark.skipif(not triton_module.INTERPRETED, reason="the Triton backend runs on CPU only under the interpreter")
@@ -215,6 +220,26 @@ def test_host_times_count_the_triton_launches(formulation):
     # the row statistics of either formulation) and dK/dV's.
     assert host["launches"] == 3 and 0 < host["launch_us"] < host["call_us"]
     assert triton_module._run.__name__ == "_run"  # restored
+
+
+@pytest.mark.skipif(not triton_module.INTERPRETED, reason="the Triton backend runs on CPU only under the interpreter")
+def test_host_profile_names_the_functions_of_a_call():
+    q, k, v = (torch.randn(1, 2, 24, 8, requires_grad=True) for _ in range(3))
+    calls = []
+
+    def call():
+        calls.append(1)
+        out = plap_attention(q, k, v, (1.5, 2.5), is_causal=True, backend="triton")
+        torch.autograd.grad(out.sum(), (q, k, v))
+
+    profile = gpu_check.host_profile(call, CPU, repeats=3, top=1000)
+    assert len(calls) == 3
+    by_name = {function["function"]: function for function in profile["functions"]}
+    forward = by_name[next(name for name in by_name if name.startswith("modeling_plat/plap_attention_triton.py")
+                           and name.endswith("(_fused_forward)"))]  # fmt: skip
+    assert forward["calls"] == 1 and 0 < forward["own_us"] <= forward["cumulative_us"]
+    assert any(name.endswith("(_fused_backward)") for name in by_name)
+    assert profile["own_us"] == pytest.approx(sum(function["own_us"] for function in profile["functions"]))
 
 
 def test_train_section_on_cpu():
