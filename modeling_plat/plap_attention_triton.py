@@ -51,6 +51,7 @@ from typing import NamedTuple
 import torch
 
 from .custom_ops import FusedOp, op_name
+from .eager_cache import eager_cache
 from .head_runs import head_runs
 from .plap_attention_reference import formulation_of, implemented
 from .triton_backward import plap_dkdv_kernel, plap_dq_kernel
@@ -345,6 +346,12 @@ def _flat(config):
 
 
 def _unflat(numbers):
+    """The LaunchConfig of a custom op's list of ints (``_flat``), built once per configuration."""
+    return _config_of(tuple(numbers))
+
+
+@eager_cache
+def _config_of(numbers):
     size = len(KernelConfig._fields)
     return LaunchConfig(*(KernelConfig(*numbers[start : start + size]) for start in range(0, 3 * size, size)))
 

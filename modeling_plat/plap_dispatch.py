@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from transformers.utils import logging
 
+from .eager_cache import eager_cache
 from .head_runs import head_runs, one_value
 from .plap_attention_decode import DECODE_MAX_QUERIES, decode_unsupported_reason, plap_attention_decode
 from .plap_attention_decode import FORMULATIONS as DECODE_FORMULATIONS
@@ -313,15 +314,16 @@ def _static_p(p, num_heads):
     return tuple(float(v) for v in p), None
 
 
+@eager_cache
 def head_groups(p_values, num_heads):
     """Runs of consecutive heads as (first, end, softmax), softmax True for a run of p = 2 heads.
 
     One run of every head when p's values are not known on the host (a p that trains on a GPU).
     """
     if p_values is None:
-        return [(0, num_heads, False)]
+        return ((0, num_heads, False),)
     softmax = [value == 2 for value in p_values]
-    return [(first, end, softmax[first]) for first, end in head_runs(softmax, one_value)]
+    return tuple((first, end, softmax[first]) for first, end in head_runs(softmax, one_value))
 
 
 def _heads(tensor, first, end, num_heads):

@@ -14,6 +14,8 @@ from typing import NamedTuple
 import torch
 from transformers.utils import logging
 
+from .eager_cache import eager_cache
+
 logger = logging.get_logger(__name__)
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -150,6 +152,7 @@ del K, _CHUNKED
 INTERPRETER_CONFIG = LaunchConfig(*(KernelConfig(64, 64, num_warps=4),) * 3)
 
 
+@eager_cache
 def interpreter_config(dtype, head_dim, value_dim):
     """INTERPRETER_CONFIG with the head chunks of these inputs' configuration on a GPU (``head_chunk``), so that the
     interpreter runs the kernels' paths that a GPU runs for them."""
@@ -188,6 +191,7 @@ def _log_unchecked(major, minor):
     return True
 
 
+@eager_cache
 def launch_config(dtype, head_dim, value_dim, capability):
     """The LaunchConfig of these inputs on a GPU of this compute capability, or None where none fits. A capability from
     8.0 on that the tables do not know gets CONSERVATIVE_TABLE's (and a warning, once per capability)."""

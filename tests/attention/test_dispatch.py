@@ -5,6 +5,8 @@ A GPU's choices are proved on the CPU with a simulated CUDA ``Platform`` (the fa
 once, outside the trace); there the Triton kernels run under the Triton interpreter (tests/conftest.py).
 """
 
+import warnings
+
 import pytest
 import torch
 from device import DEVICE, ON_CUDA
@@ -14,6 +16,7 @@ from transformers.testing_utils import CaptureLogger
 
 from modeling_plat import plap_attention_triton as triton_module
 from modeling_plat import triton_configs
+from modeling_plat.eager_cache import eager_cache
 from modeling_plat.plap_dispatch import Platform
 
 # An H100 as the dispatcher sees it (compute capability 9.0).
@@ -186,3 +189,43 @@ def test_the_eager_fallback_states_the_memory_it_keeps():
     assert per_score == pytest.approx(dispatch.EAGER_SAVED_BYTES_PER_SCORE, abs=0.01)
     big = torch.empty(4, 16, 4096, 64, device="meta")
     assert "about 18,432 MiB" in dispatch._memory_note("eager", big, big)
+
+
+def test_eager_cache_keeps_results_between_eager_calls_and_computes_them_while_tracing():
+    calls = []
+
+    @eager_cache
+    def heads_scale(num_heads, scale):
+        calls.append((num_heads, scale))
+        return num_heads * scale
+
+    def attend(q):
+        return q * heads_scale(q.shape[1], 2.0)
+
+    q = torch.randn(2, 3, 4, device=DEVICE)
+    assert [heads_scale(3, 2.0), heads_scale(3, 2.0), heads_scale(4, 2.0)] == [6.0, 6.0, 8.0]
+    assert calls == [(3, 2.0), (4, 2.0)]
+    torch._dynamo.reset()
+    compiled = torch.compile(attend, backend="aot_eager", fullgraph=True)(q)
+    assert calls == [(3, 2.0), (4, 2.0), (3, 2.0)]  # traced: the function itself, not the cache
+    torch.testing.assert_close(compiled, q * 6.0)
+
+
+@needs_triton
+def test_compiled_attention_traces_no_cache_wrapper(monkeypatch):
+    """What ``eager_cache`` keeps (the heads' groups, the launch configuration) is computed afresh while Dynamo traces:
+    a cache wrapper in the trace would cost the user a warning of Dynamo's (and a guess at its result)."""
+    if not ON_CUDA:
+        monkeypatch.setattr(dispatch, "device_platform", lambda device_type, device_index: HOPPER)
+    q = torch.randn(2, 4, 20, 16, generator=torch.Generator().manual_seed(0)).to(DEVICE)
+
+    def attend(q):
+        return dispatch.plap_attention(q, q, q, tuple(P_MIX), is_causal=True, backend="triton")
+
+    eager = attend(q)
+    torch._dynamo.reset()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiled = torch.compile(attend, backend="aot_eager", fullgraph=True)(q)
+    assert not [str(warning.message)[:200] for warning in caught if "lru_cache" in str(warning.message)]
+    torch.testing.assert_close(compiled, eager)
