@@ -125,9 +125,9 @@ ATTENTION_SHAPES = {
 KERNEL_SPEED_TARGETS = [("4k", "fwd", 2.0), ("4k", "fwd_bwd", 2.5), ("4k-d128", "fwd_bwd", 3.0), ("16k", "fwd_bwd", 2.5)]
 KERNEL_SPEED_SHAPES = tuple(dict.fromkeys(name for name, _, _ in KERNEL_SPEED_TARGETS))
 PEAK_MEMORY_LIMIT = 1.2
-# name: (shape, p per head: None for the paper's mix) of the kernels section.
 # Functions a kernels row's host profile keeps, by own time.
 HOST_PROFILE_TOP = 30
+# name: (shape, p per head: None for the paper's mix) of the kernels section.
 KERNEL_CASES = {
     **{name: (ATTENTION_SHAPES[name], None) for name in ("paper-lm", *KERNEL_SPEED_SHAPES)},
     "4k-p1.5": (ATTENTION_SHAPES["4k"], 1.5),
@@ -755,7 +755,7 @@ def _function_label(file, line, name):
     else:
         if Path(file).is_relative_to(ROOT):
             parts = Path(file).relative_to(ROOT).parts
-    return f"{'/'.join(parts)}:{line}({name})"
+    return f"{Path(*parts).as_posix()}:{line}({name})"
 
 
 def kernels_section(device, log, cases=KERNEL_CASES, repeats=5):
