@@ -12,6 +12,14 @@ import pytest
 import torch
 
 import gpu_check
+from gpu_sections.attention import attention_section, envelope_section, fallback_section
+from gpu_sections.kernels import HOST_PROFILE_TOP, host_profile, host_times, kernel_times, kernels_section
+from gpu_sections.measure import backend_spy, relative_error
+from gpu_sections.models import (COMPILE_PRESETS, compile_section, decode_section, main_job_arguments, main_job_section,
+                                 train_section)  # fmt: skip
+from gpu_sections.sweep import (REPEATS, SQUARE, attend, case_name, each_document_alone, judge, make_case_inputs,
+                                run_case, run_sweep, sweep_cases, sweep_section)  # fmt: skip
+from gpu_sections.targets import collect_failures, judge_targets, peak_memory_target
 from modeling_plat import plap_attention
 from modeling_plat import plap_attention_triton as triton_module
 from plat_train.presets import resolve_config_name
@@ -24,7 +32,7 @@ def quiet(line):
 
 
 def test_sweep_covers_every_combination():
-    cases = gpu_check.sweep_cases()
+    cases = sweep_cases()
     backend_cases = [c for c in cases if c["kind"] == "backend"]
     # dtypes, head sizes, formulations, masks, lengths, backends (and Triton's two passes as a third)
     assert len(backend_cases) == 3 * 5 * 2 * 2 * 2 * 3
@@ -45,7 +53,7 @@ def test_sweep_covers_every_combination():
     assert {(c["model"], c["dtype"]) for c in cases if c["kind"] == "convert"} == {
         (model, dtype) for model in ("gpt2", "llama", "vit") for dtype in ("float32", "bfloat16")
     }
-    assert len({gpu_check.case_name(c) for c in cases}) == len(cases)
+    assert len({case_name(c) for c in cases}) == len(cases)
     # Side by side, the first workers build different kernels.
     assert len({(c["dtype"], c["head_dim"]) for c in cases[:15]}) == 15
 
@@ -56,38 +64,38 @@ def ok_result(**errors):
 
 
 def test_judging_of_results():
-    case = gpu_check.sweep_cases()[0]
+    case = sweep_cases()[0]
     bf16 = dict(case, dtype="bfloat16")
-    assert gpu_check.judge(bf16, ok_result(dv=1e-2)) == []
-    assert gpu_check.judge(bf16, ok_result(dv=3e-2)) == ["dv error 3.00e-02 > 2.0e-02"]
-    assert gpu_check.judge(bf16, ok_result(dq=float("nan"))) == ["dq error nan > 2.0e-02"]
-    assert gpu_check.judge(bf16, dict(ok_result(), finite=False, bitwise_rerun=False)) == [
+    assert judge(bf16, ok_result(dv=1e-2)) == []
+    assert judge(bf16, ok_result(dv=3e-2)) == ["dv error 3.00e-02 > 2.0e-02"]
+    assert judge(bf16, ok_result(dq=float("nan"))) == ["dq error nan > 2.0e-02"]
+    assert judge(bf16, dict(ok_result(), finite=False, bitwise_rerun=False)) == [
         "non-finite values", "a second run differs"
     ]
-    assert gpu_check.judge(bf16, dict(status="skipped", reason="head sizes ...")) == []
+    assert judge(bf16, dict(status="skipped", reason="head sizes ...")) == []
     tf32 = dict(case, kind="tf32", dtype="float32")
     # Under TF32: TF32's own error, or twice the error without TF32 where that is larger; not more.
     floor = dict(out=1e-7, dq=1e-7, dk=1e-7, dv=5e-2)
-    assert gpu_check.judge(tf32, dict(ok_result(out=7e-4, dv=9e-2), errors_without_tf32=floor)) == []
-    assert gpu_check.judge(tf32, dict(ok_result(out=3e-3, dv=2e-1), errors_without_tf32=floor)) == [
+    assert judge(tf32, dict(ok_result(out=7e-4, dv=9e-2), errors_without_tf32=floor)) == []
+    assert judge(tf32, dict(ok_result(out=3e-3, dv=2e-1), errors_without_tf32=floor)) == [
         "out error 3.00e-03 > 2.0e-03", "dv error 2.00e-01 > 1.0e-01"
     ]
 
 
 def test_sweep_records_failures_and_crashes():
-    cases = [case for case in gpu_check.sweep_cases() if case["dtype"] == "float32"][:3]
+    cases = [case for case in sweep_cases() if case["dtype"] == "float32"][:3]
 
     def runner(case):
         if case is cases[1]:
             raise RuntimeError("the Triton backend failed in _plap_fwd_kernel")
         return ok_result(dk=0.5) if case is cases[2] else ok_result()
 
-    results = gpu_check.run_sweep(cases, runner, log=quiet)
+    results = run_sweep(cases, runner, log=quiet)
     assert [r["failures"] for r in results] == [
         [], ["RuntimeError: the Triton backend failed in _plap_fwd_kernel"], ["dk error 5.00e-01 > 1.0e-04"]
     ]
     assert results[1]["status"] == "error" and "Traceback" in results[1]["trace"]
-    assert [r["case"] for r in results] == [gpu_check.case_name(c) for c in cases]
+    assert [r["case"] for r in results] == [case_name(c) for c in cases]
 
 
 def small_case(**overrides):
@@ -100,60 +108,60 @@ def small_case(**overrides):
 def test_a_case_measured_for_real_on_cpu(backend):
     if backend == "triton" and not triton_module.INTERPRETED:
         pytest.skip("the Triton backend runs on CPU only under the interpreter")
-    result = gpu_check.run_case(small_case(backend=backend), CPU)
+    result = run_case(small_case(backend=backend), CPU)
     assert result["status"] == "ok" and result["backend"] in ("eager", "tiled", "triton")
     assert result["finite"] and result["bitwise_rerun"]
     assert set(result["errors"]) == {"out", "dq", "dk", "dv"}
     assert max(result["errors"].values()) < 1e-5
-    assert gpu_check.judge(small_case(), result) == []
+    assert judge(small_case(), result) == []
 
 
 @pytest.mark.parametrize("kind, masked", [("repeated", True), ("packed", True), ("packed", False)])
 def test_repeated_values_and_packed_rows_on_cpu(kind, masked):
-    case = small_case(kind=kind, masked=masked, shape=gpu_check.SQUARE)
-    inputs, p, kwargs, grad_out = gpu_check.make_case_inputs(case, CPU)
+    case = small_case(kind=kind, masked=masked, shape=SQUARE)
+    inputs, p, kwargs, grad_out = make_case_inputs(case, CPU)
     if kind == "repeated":
         value = inputs[2]
-        assert all(torch.equal(value[:, :, position], value[:, :, 4]) for position in gpu_check.REPEATS)
+        assert all(torch.equal(value[:, :, position], value[:, :, 4]) for position in REPEATS)
     else:
         assert kwargs["is_causal"] == masked and "attn_mask" not in kwargs
         assert kwargs["document_ids"].shape == (2, 200) and kwargs["document_ids"][0].unique().numel() == 4
-    result = gpu_check.run_case(case, CPU)
-    assert result["status"] == "ok" and gpu_check.judge(case, result) == [], result
+    result = run_case(case, CPU)
+    assert result["status"] == "ok" and judge(case, result) == [], result
 
 
 def test_packed_reference_is_each_document_alone():
     """Attention across documents (document_ids ignored) is far from the reference: the check can fail."""
-    case = small_case(kind="packed", shape=gpu_check.SQUARE)
-    inputs, p, kwargs, _ = gpu_check.make_case_inputs(case, CPU)
+    case = small_case(kind="packed", shape=SQUARE)
+    inputs, p, kwargs, _ = make_case_inputs(case, CPU)
     with torch.no_grad():
-        alone = gpu_check.each_document_alone(inputs, p, kwargs, "eager")
-        packed = gpu_check.attend(inputs, p, kwargs, "eager")
-        across = gpu_check.attend(inputs, p, dict(kwargs, document_ids=None), "eager")
-    assert gpu_check.relative_error(packed, alone) < 1e-6
-    assert gpu_check.relative_error(across, alone) > 1e-2
+        alone = each_document_alone(inputs, p, kwargs, "eager")
+        packed = attend(inputs, p, kwargs, "eager")
+        across = attend(inputs, p, dict(kwargs, document_ids=None), "eager")
+    assert relative_error(packed, alone) < 1e-6
+    assert relative_error(across, alone) > 1e-2
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_conversion_case_on_cpu(dtype):
     case = dict(kind="convert", model="llama", dtype=dtype)
-    result = gpu_check.run_case(case, CPU)
-    assert result["status"] == "ok" and gpu_check.judge(case, result) == []
+    result = run_case(case, CPU)
+    assert result["status"] == "ok" and judge(case, result) == []
     assert result["max_abs_diff"] <= 1e-2 * result["max_abs_logit"]
 
 
 def test_tf32_case_and_skips_on_cpu(monkeypatch):
-    tf32 = gpu_check.run_case(small_case(kind="tf32", backend="tiled", formulation="paper"), CPU)
+    tf32 = run_case(small_case(kind="tf32", backend="tiled", formulation="paper"), CPU)
     assert set(tf32["errors_without_tf32"]) == {"out", "dq", "dk", "dv"}
     monkeypatch.setattr(triton_module, "INTERPRETED", False)  # the Triton backend then refuses CPU tensors
-    skipped = gpu_check.run_case(small_case(backend="triton"), CPU)
+    skipped = run_case(small_case(backend="triton"), CPU)
     assert skipped["status"] == "skipped" and "backend 'triton' cannot run this input" in skipped["reason"]
 
 
 def test_sweep_in_a_spawned_worker():
     """Results come back in the cases' order; a case that raises in the worker is an error with its traceback."""
     cases = [small_case(), small_case(dtype="no-such-dtype")]
-    results = gpu_check.sweep_section(CPU, quiet, workers=1, cases=cases)
+    results = sweep_section(CPU, quiet, workers=1, cases=cases)
     assert results[0]["status"] == "ok" and results[0]["failures"] == []
     assert results[1]["status"] == "error" and results[1]["failures"] == ["KeyError: 'no-such-dtype'"]
     assert "make_case_inputs" in results[1]["trace"]  # the worker's own traceback
@@ -163,7 +171,7 @@ def test_backend_spy_counts_the_dispatchers_choices_and_restores_it():
     module = sys.modules["modeling_plat.plap_dispatch"]
     original = module.choose_backend
     q = torch.randn(1, 2, 8, 4)
-    with gpu_check.backend_spy() as chosen:
+    with backend_spy() as chosen:
         plap_attention(q, q, q, (1.5, 2.0))  # the p = 2 head runs SDPA: no choice
         plap_attention(q, q, q, 2.5, backend="tiled")
     assert chosen == {"eager": 1, "tiled": 1}
@@ -171,7 +179,7 @@ def test_backend_spy_counts_the_dispatchers_choices_and_restores_it():
 
 
 def test_attention_section_on_cpu():
-    rows = gpu_check.attention_section(CPU, quiet, shapes={"tiny": (1, 2, 24, 8, True)}, warmup=0, repeats=1)
+    rows = attention_section(CPU, quiet, shapes={"tiny": (1, 2, 24, 8, True)}, warmup=0, repeats=1)
     (row,) = rows
     assert row["plat"]["backends"] == {"eager": 2}  # forward and forward + backward, one p != 2 head group
     assert row["plat"]["fwd_ms"] > 0 and row["plat"]["fwd_bwd_peak_mib"] is None  # peak memory: CUDA only
@@ -183,17 +191,17 @@ def test_attention_section_on_cpu():
 def test_kernel_times_by_name_and_launch_order():
     """On a CPU the profiled events are operators: every matmul of the call, in launch order."""
     a, b = torch.randn(64, 64), torch.randn(8, 8)
-    times = gpu_check.kernel_times(lambda: (a @ a, b @ b, a @ a), CPU, repeats=3)
+    times = kernel_times(lambda: (a @ a, b @ b, a @ a), CPU, repeats=3)
     assert times["aten::mm"]["launches"] == 3 and len(times["aten::mm"]["launch_us"]) == 3
     assert times["aten::mm"]["us"] > 0 and all(us > 0 for us in times["aten::mm"]["launch_us"])
     calls = iter(range(10))
     with pytest.raises(RuntimeError, match="times in 2 calls"):  # a kernel that only some calls run
-        gpu_check.kernel_times(lambda: a @ a if next(calls) % 2 else None, CPU, repeats=2)
+        kernel_times(lambda: a @ a if next(calls) % 2 else None, CPU, repeats=2)
 
 
 def test_kernels_section_on_cpu():
     cases = {"tiny": ((1, 2, 24, 8, True), None), "tiny-p1.5": ((1, 2, 24, 8, True), 1.5)}
-    mixed, single = gpu_check.kernels_section(CPU, quiet, cases=cases, repeats=2)
+    mixed, single = kernels_section(CPU, quiet, cases=cases, repeats=2)
     assert mixed["p"] == [1.5, 2.5] and single["p"] == [1.5]
     # Two calls timed for the host, two profiled for it, then a warm-up and two profiled for the kernels.
     assert "failures" not in mixed and mixed["backends"] == {"eager": 7}
@@ -201,7 +209,7 @@ def test_kernels_section_on_cpu():
     assert mixed["kernels"]["aten::bmm"]["launches"] >= 1
     assert mixed["host"]["call_us"] > 0 and mixed["host"]["launches"] == 0  # eager: no Triton launch
     functions = mixed["host_profile"]["functions"]
-    assert 0 < len(functions) <= gpu_check.HOST_PROFILE_TOP
+    assert 0 < len(functions) <= HOST_PROFILE_TOP
     assert [f["own_us"] for f in functions] == sorted((f["own_us"] for f in functions), reverse=True)
     assert sum(f["own_us"] for f in functions) <= mixed["host_profile"]["own_us"]
 
@@ -215,7 +223,7 @@ def test_host_times_count_the_triton_launches(formulation):
         out = plap_attention(q, k, v, (1.5, 2.5), is_causal=True, backend="triton", formulation=formulation)
         torch.autograd.grad(out.sum(), (q, k, v))
 
-    host = gpu_check.host_times(call, CPU, repeats=2)
+    host = host_times(call, CPU, repeats=2)
     # One launch for both p: a call this small runs each kernel's exact pass alone, the forward's, dQ's (which computes
     # the row statistics of either formulation) and dK/dV's.
     assert host["launches"] == 3 and 0 < host["launch_us"] < host["call_us"]
@@ -232,7 +240,7 @@ def test_host_profile_names_the_functions_of_a_call():
         out = plap_attention(q, k, v, (1.5, 2.5), is_causal=True, backend="triton")
         torch.autograd.grad(out.sum(), (q, k, v))
 
-    profile = gpu_check.host_profile(call, CPU, repeats=3, top=1000)
+    profile = host_profile(call, CPU, repeats=3, top=1000)
     assert len(calls) == 3
     by_name = {function["function"]: function for function in profile["functions"]}
     forward = by_name[next(name for name in by_name if name.startswith("modeling_plat/plap_attention_triton.py")
@@ -243,7 +251,7 @@ def test_host_profile_names_the_functions_of_a_call():
 
 
 def test_train_section_on_cpu():
-    rows = gpu_check.train_section(CPU, quiet, batches={"ptb": 2}, warmup=0, repeats=1)
+    rows = train_section(CPU, quiet, batches={"ptb": 2}, warmup=0, repeats=1)
     assert [row["name"] for row in rows] == ["plat-ptb-tiny", "softmax-ptb-tiny"]
     plat, softmax = rows
     assert plat["step_ms"] > 0 and plat["baseline"] == "softmax-ptb-tiny" and softmax["ratio"] == 1.0
@@ -256,9 +264,9 @@ def test_compile_section_on_cpu(tmp_path):
     preset = tmp_path / "config.json"
     config = json.loads(Path(resolve_config_name("plat-ptb-tiny")).read_text())
     preset.write_text(json.dumps(dict(config, num_hidden_layers=1, hidden_size=32, intermediate_size=64)))
-    rows = gpu_check.compile_section(CPU, quiet, presets=(str(preset),), cuda_graphs_preset=str(preset),
-                                     compiler="aot_eager", batch=2, warmup=1, repeats=1, new_tokens=3,
-                                     attention_shapes={"tiny": (2, 2, 24, 16, True)})  # fmt: skip
+    rows = compile_section(CPU, quiet, presets=(str(preset),), cuda_graphs_preset=str(preset),
+                           compiler="aot_eager", batch=2, warmup=1, repeats=1, new_tokens=3,
+                           attention_shapes={"tiny": (2, 2, 24, 16, True)})  # fmt: skip
     paper, euler, step, graphs, generate = rows
     for row, formulation in ((paper, "paper"), (euler, "euler")):
         assert row["name"] == f"tiny/attention-{formulation}" and not row["failures"], row
@@ -275,8 +283,8 @@ def test_compile_section_on_cpu(tmp_path):
 
 
 def test_decode_section_on_cpu():
-    rows = gpu_check.decode_section(CPU, quiet, shapes=("gpt2",), batch_sizes=(1,), new_tokens=3, repeats=1,
-                                    dtype=torch.float32)  # fmt: skip
+    rows = decode_section(CPU, quiet, shapes=("gpt2",), batch_sizes=(1,), new_tokens=3, repeats=1,
+                          dtype=torch.float32)  # fmt: skip
     assert [row["model"] for row in rows] == ["plat-gpt2", "softmax-gpt2", "transformers-sdpa"]
     assert all(row["tokens_per_s"] > 0 and "ratio_to_transformers" in row for row in rows)
     assert "decode" in rows[0]["backends"]
@@ -296,7 +304,7 @@ out = pathlib.Path(sys.argv[sys.argv.index("--output_dir") + 1])
 def test_main_job_section_records_metrics_or_failures(tmp_path, body, timeout_s, failures):
     script = tmp_path / "job.py"
     script.write_text(FAKE_JOB.format(body=body))
-    (row,) = gpu_check.main_job_section(CPU, quiet, timeout_s=timeout_s, script=script)
+    (row,) = main_job_section(CPU, quiet, timeout_s=timeout_s, script=script)
     assert row.get("failures") == failures and row["wall_s"] > 0
     assert " plat-ptb-tiny.yaml --output_dir " in row["command"]
     if failures is None:
@@ -312,7 +320,7 @@ def test_main_job_arguments_are_run_clms():
     from plat_train.causal_lm import TextDataArguments, TextModelArguments
 
     parser = HfArgumentParser((TextModelArguments, TextDataArguments, PlatTrainingArguments))
-    argv = gpu_check.main_job_arguments("/tmp/plat-ptb-tiny", torch.device("cuda"))
+    argv = main_job_arguments("/tmp/plat-ptb-tiny", torch.device("cuda"))
     assert argv[-2:] == ["--bf16", "true"]
     model, data, training = parse_args(parser, argv[:-2])  # bf16 is checked against the machine
     assert (model.config_name, training.max_steps, training.output_dir) == ("plat-ptb-tiny", 450, "/tmp/plat-ptb-tiny")
@@ -364,7 +372,7 @@ def test_targets_and_failures():
                       dict(name="plat-llama-125m", ratio=1.4, backends=fused),
                       dict(name="llama-125m-sdpa", ratio=1.0, backends={})),
         compile=section(*[dict(name=f"{preset}/{kind}", kind=kind, graph_breaks=0, backends=fused)
-                          for preset in gpu_check.COMPILE_PRESETS for kind in ("train-step", "generate")],
+                          for preset in COMPILE_PRESETS for kind in ("train-step", "generate")],
                         dict(name="plat-ptb-tiny/train-step-cuda-graphs", kind="train-step-cuda-graphs",
                              error="RuntimeError: x", failures=["RuntimeError: x"])),
         decode=section(dict(name="gpt2/plat-gpt2/batch1", backends={"decode": 3, "tiled": 1})),
@@ -376,7 +384,7 @@ def test_targets_and_failures():
         sections["attention"]["rows"].append(dict(name=name, plat=dict(backends=fused, fwd_bwd_peak_mib=peaks[0]),
                                                   sdpa=dict(fwd_bwd_peak_mib=peaks[1]),
                                                   ratio_to_sdpa=dict(fwd=ratios[0], fwd_bwd=ratios[1])))  # fmt: skip
-    targets = gpu_check.judge_targets(sections, ["attention", "train", "compile", "decode"])
+    targets = judge_targets(sections, ["attention", "train", "compile", "decode"])
     assert [target["passed"] for target in targets] == [True, False, False, True, True, False, True, True, False,
                                                         True, True, False, False]  # fmt: skip
     assert targets[0]["line"] == ("PASS deit-tiny training step <= 1.2 x ViTForImageClassification (SDPA), bf16 "
@@ -385,17 +393,17 @@ def test_targets_and_failures():
     assert targets[4]["line"] == "PASS 4k attention forward <= 2.0 x SDPA (default backend): 1.9"
     assert targets[8]["value"] == {"4k": 1.01, "4k-d128": 1.056, "16k": 1.34}
     assert "gpt2/plat-gpt2/batch1" in targets[12]["value"]
-    failures = gpu_check.collect_failures(sections, targets)
+    failures = collect_failures(sections, targets)
     assert failures[0] == "compile plat-ptb-tiny/train-step-cuda-graphs: RuntimeError: x"
     assert len(failures) == 1 + 6
     # Peak memory is judged only when every shape measured it.
     del sections["attention"]["rows"][-1]["sdpa"]
-    assert gpu_check.peak_memory_target(sections) == ({"4k": 1.01, "4k-d128": 1.056}, None)
+    assert peak_memory_target(sections) == ({"4k": 1.01, "4k-d128": 1.056}, None)
     # Only the requested sections' targets; a requested section that did not run measures nothing.
     skipped = dict(train=dict(status="skipped", reason="budget"))
-    (only,) = gpu_check.judge_targets(skipped, ["train"])[:1]
+    (only,) = judge_targets(skipped, ["train"])[:1]
     assert only["passed"] is None and only["line"].startswith("NOT MEASURED")
-    assert gpu_check.judge_targets({}, ["sweep"]) == []
+    assert judge_targets({}, ["sweep"]) == []
 
 
 def test_record_path_and_report(tmp_path):
@@ -416,7 +424,7 @@ def test_without_gpu_exits_with_a_message(tmp_path, capsys):
 def test_envelope_section_on_cpu():
     """Each pattern reaches p-LaT and SDPA alike: a window and packed rows, their ratios recorded."""
     shapes = {"window": (1, 2, 64, 16, dict(sliding_window=16)), "packed": (1, 2, 64, 16, dict(documents=(30, 34)))}
-    rows = gpu_check.envelope_section(CPU, quiet, shapes=shapes, warmup=0, repeats=1)
+    rows = envelope_section(CPU, quiet, shapes=shapes, warmup=0, repeats=1)
     assert [row["name"] for row in rows] == ["window", "packed"]
     for row in rows:
         assert "error" not in row and row["plat"]["fwd_bwd_ms"] > 0 and row["ratio_to_sdpa"]["fwd_bwd"] > 0
@@ -425,7 +433,7 @@ def test_envelope_section_on_cpu():
 
 
 def test_fallback_section_on_cpu():
-    rows = gpu_check.fallback_section(CPU, quiet, shapes={"tiny": (1, 2, 48, 16)}, warmup=0, repeats=1)
+    rows = fallback_section(CPU, quiet, shapes={"tiny": (1, 2, 48, 16)}, warmup=0, repeats=1)
     assert rows[0]["faster"] in ("eager", "tiled")
     assert rows[0]["eager"]["fwd_bwd_ms"] > 0 and rows[0]["tiled"]["fwd_bwd_ms"] > 0
 
@@ -437,9 +445,9 @@ def sleep_a_minute(case):
 def test_sweep_workers_stop_at_its_time_budget():
     """Cases still running in the workers when the budget runs out are killed, not waited for (at the interpreter's
     exit either): the rest of the run keeps its time."""
-    cases = [case for case in gpu_check.sweep_cases() if case["kind"] == "backend"][:2]
+    cases = [case for case in sweep_cases() if case["kind"] == "backend"][:2]
     start = time.monotonic()
-    results = gpu_check.run_sweep(cases, sleep_a_minute, quiet, workers=2, seconds=5)
+    results = run_sweep(cases, sleep_a_minute, quiet, workers=2, seconds=5)
     assert [r["status"] for r in results] == ["skipped", "skipped"]
     while multiprocessing.active_children() and time.monotonic() - start < 30:
         time.sleep(0.1)
@@ -455,7 +463,7 @@ def test_sweep_stops_at_its_time_budget():
         time.sleep(0.2)
         return ok_result()
 
-    cases = [case for case in gpu_check.sweep_cases() if case["kind"] == "backend"][:4]
-    results = gpu_check.run_sweep(cases, slow, quiet, seconds=0.3)
+    cases = [case for case in sweep_cases() if case["kind"] == "backend"][:4]
+    results = run_sweep(cases, slow, quiet, seconds=0.3)
     assert [r["status"] for r in results] == ["ok", "ok", "skipped", "skipped"] and len(ran) == 2
     assert all(not r["failures"] for r in results)

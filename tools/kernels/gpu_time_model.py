@@ -329,8 +329,8 @@ class LiveBytes(TorchDispatchMode):
 
 def peak_bytes(triton_module, batch, heads, tokens, head_dim, p, dtype=torch.bfloat16):
     """Bytes that one forward + backward of the Triton backend holds at its peak beyond its inputs and dU (allocated
-    before, as gpu_check's peak_memory_mib counts on a GPU): its host functions on CPU tensors, launches left out; the
-    forward's outputs live until the backward has returned the gradients, as under autograd."""
+    before, as the GPU check's peak_memory_mib counts on a GPU): its host functions on CPU tensors, launches left out;
+    the forward's outputs live until the backward has returned the gradients, as under autograd."""
     calls = HostCalls(triton_module, batch, heads, tokens, head_dim, p, dtype, device="cpu")
     existing = (calls.query, calls.key, calls.value, calls.grad_out)
     with calls.launches_to(lambda launch, query, value: None), LiveBytes(existing) as live:

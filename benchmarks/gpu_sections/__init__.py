@@ -1,0 +1,1 @@
+"""The sections of benchmarks/gpu_check.py, a module for each kind, and the targets judged on their rows."""

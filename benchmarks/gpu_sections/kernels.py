@@ -1,0 +1,159 @@
+"""The kernels section: the GPU kernels of one plap_attention forward + backward by name and launch, and the host
+time of the call, in all, in its Triton launches and by function."""
+
+import collections
+import cProfile
+import importlib
+import platform
+import pstats
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from modeling_plat import paper_p_mix
+from modeling_plat.plap_dispatch import plap_attention
+
+from .attention import ATTENTION_SHAPES, KERNEL_SPEED_SHAPES
+from .measure import ROOT, backend_spy, bf16_attention_inputs, error_fields, synchronize
+
+# Functions a kernels row's host profile keeps, by own time.
+HOST_PROFILE_TOP = 30
+# name: (shape, p per head: None for the paper's mix) of the kernels section.
+KERNEL_CASES = {
+    **{name: (ATTENTION_SHAPES[name], None) for name in ("paper-lm", *KERNEL_SPEED_SHAPES)},
+    "4k-p1.5": (ATTENTION_SHAPES["4k"], 1.5),
+}
+
+
+def kernel_times(call, device, repeats):
+    """{name: launches per call, microseconds per call, median microseconds of each launch in launch order} of the
+    kernels that call() runs on ``device``, from torch.profiler (on a CPU: its operators, nested ones included)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    call()  # builds and caches what the first call compiles
+    synchronize(device)
+    activity, kind = (ProfilerActivity.CUDA, DeviceType.CUDA) if device.type == "cuda" else (ProfilerActivity.CPU,
+                                                                                            DeviceType.CPU)
+    with profile(activities=[activity]) as prof:
+        for _ in range(repeats):
+            call()
+        synchronize(device)
+    durations = collections.defaultdict(list)
+    for event in sorted(prof.events(), key=lambda event: event.time_range.start):
+        if event.device_type == kind:
+            durations[event.name].append(event.time_range.elapsed_us())
+    kernels = {}
+    for name, times in durations.items():
+        launches = len(times) // repeats
+        if launches * repeats != len(times):  # not launched the same number of times by every call
+            raise RuntimeError(f"{name} ran {len(times)} times in {repeats} calls")
+        kernels[name] = dict(launches=launches, us=sum(times) / repeats,
+                             launch_us=[statistics.median(times[i::launches]) for i in range(launches)])  # fmt: skip
+    return kernels
+
+
+def host_times(call, device, repeats):
+    """Host microseconds of one call() (median; the GPU idle at its start, as the timed rows' calls find it) and of
+    the Triton launches in it (the backend's ``_run``, each kernel's argument handling and launch)."""
+    triton_module = importlib.import_module("modeling_plat.plap_attention_triton")
+    original, launches = triton_module._run, []
+
+    def timed_run(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            launches[-1].append(time.perf_counter() - start)
+
+    triton_module._run = timed_run
+    calls = []
+    try:
+        for _ in range(repeats):
+            synchronize(device)
+            launches.append([])
+            start = time.perf_counter()
+            call()
+            calls.append(time.perf_counter() - start)
+    finally:
+        triton_module._run = original
+    synchronize(device)
+    return dict(call_us=statistics.median(calls) * 1e6, launches=len(launches[-1]),
+                launch_us=statistics.median(sum(times) for times in launches) * 1e6)  # fmt: skip
+
+
+def host_profile(call, device, repeats, top=HOST_PROFILE_TOP):
+    """Where one call() spends its host time: cProfile over ``repeats`` calls (the GPU idle at each start), the
+    ``top`` functions by own time (builtins such as a tensor allocation or a kernel's launcher included), in
+    microseconds per call, own and cumulative, with their calls per call, and ``own_us``, the own times of every
+    function summed. The profiler adds its own cost to every function call: the shares tell, not the absolute times.
+    From Python 3.12 on cProfile also sees the backward's Python, which the autograd engine runs in a thread of its
+    own for CUDA tensors; before, that time is the own time of the engine's ``run_backward``."""
+    profiler = cProfile.Profile()
+    for _ in range(repeats):
+        synchronize(device)
+        profiler.enable()
+        try:
+            call()
+        finally:
+            profiler.disable()
+    synchronize(device)
+    # pstats' table: (file, line, function) -> (primitive calls, calls, own seconds, cumulative seconds, callers).
+    table = pstats.Stats(profiler).stats
+    functions = [dict(function=_function_label(*where), calls=calls / repeats, own_us=own / repeats * 1e6,
+                      cumulative_us=cumulative / repeats * 1e6)
+                 for where, (_, calls, own, cumulative, _) in table.items()]  # fmt: skip
+    functions.sort(key=lambda function: -function["own_us"])
+    return dict(own_us=sum(function["own_us"] for function in functions), python=platform.python_version(),
+                functions=functions[:top])  # fmt: skip
+
+
+def _function_label(file, line, name):
+    """``path:line(name)`` with the path from the package folder on (``site-packages/`` or this repository cut), or
+    the builtin's own name."""
+    if file == "~":
+        return name
+    parts = Path(file).parts
+    for anchor in ("site-packages", "dist-packages"):
+        if anchor in parts:
+            parts = parts[len(parts) - parts[::-1].index(anchor) :]
+            break
+    else:
+        if Path(file).is_relative_to(ROOT):
+            parts = Path(file).relative_to(ROOT).parts
+    return f"{Path(*parts).as_posix()}:{line}({name})"
+
+
+def kernels_section(device, log, cases=KERNEL_CASES, repeats=5):
+    rows = []
+    for name, ((batch, heads, length, head_dim, causal), p) in cases.items():
+        q, k, v, grad_out = bf16_attention_inputs(batch, heads, length, head_dim, device)
+        p_heads = tuple(paper_p_mix(heads)) if p is None else (p,) * heads
+        row = dict(name=name, batch=batch, heads=heads, length=length, head_dim=head_dim, causal=causal,
+                   p=sorted(set(p_heads)))  # fmt: skip
+
+        def call():
+            torch.autograd.grad(plap_attention(q, k, v, p_heads, is_causal=causal), (q, k, v), grad_out)
+
+        try:
+            # Host times before the profiler session: measured after it (6d6cd30's record), a paper-LM call's host
+            # work read 1.73 ms where the attention section's whole synchronised call took 1.33.
+            with backend_spy() as chosen:
+                row["host"] = host_times(call, device, repeats)
+                row["host_profile"] = host_profile(call, device, repeats)
+                row["kernels"] = kernel_times(call, device, repeats)
+            row["backends"] = dict(chosen)
+            row["total_us"] = sum(kernel["us"] for kernel in row["kernels"].values())
+            top = sorted(row["kernels"].items(), key=lambda item: -item[1]["us"])[:4]
+            log(f"kernels {name}: {row['total_us']:.0f} us, " + ", ".join(f"{kernel} {times['us']:.0f}"
+                                                                          for kernel, times in top)
+                + f"; host {row['host']['call_us']:.0f} us, {row['host']['launch_us']:.0f} in "
+                  f"{row['host']['launches']} Triton launches; most own host time (profiled): "
+                + ", ".join(f"{function['function']} {function['own_us']:.0f} us"
+                            for function in row["host_profile"]["functions"][:3]))  # fmt: skip
+        except Exception as error:
+            row.update(error_fields(error))
+        rows.append(row)
+    return rows

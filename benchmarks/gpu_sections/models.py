@@ -1,0 +1,284 @@
+"""The sections of whole models: training steps against transformers' twins, torch.compile, decoding with the KV
+cache and the README's main job."""
+
+import functools
+import itertools
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from modeling_plat import paper_p_mix
+from modeling_plat.plap_dispatch import plap_attention
+
+from .attention import ATTENTION_SHAPES
+from .measure import (ROOT, TOLERANCE, backend_spy, bf16_attention_inputs, error_fields, peak_memory_mib,
+                      relative_error, synchronize, timed, to_device)  # fmt: skip
+
+TRAIN_BATCHES = {"vision": 64, "lm": 16, "llama-125m": 8}
+COMPILE_PRESETS = ("plat-ptb-tiny", "plat-llama-tiny")
+# plap_attention compiled against eager, bfloat16, the paper's p mix, each formulation: the paper LM's shape (each
+# kernel's exact pass alone) and a causal 2k (first passes, then exact passes).
+COMPILED_ATTENTION_SHAPES = {"paper-lm": ATTENTION_SHAPES["paper-lm"], "2k": (2, 4, 2048, 64, True)}
+CUDA_GRAPHS_PRESET = "plat-ptb-tiny"
+
+
+def training_step(model, optimizer, inputs, device, cuda_graphs=False):
+    """One optimizer step under bf16 autocast, as a closure."""
+
+    def step():
+        if cuda_graphs:
+            torch.compiler.cudagraph_mark_step_begin()  # the last step's graph outputs (loss, grads) are consumed
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            loss = model(**inputs).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def step_timings(model, inputs, device, warmup, repeats):
+    model.to(device).train()
+    step = training_step(model, torch.optim.AdamW(model.parameters(), lr=1e-4), inputs, device)
+    with backend_spy() as chosen:
+        seconds = timed(step, warmup, repeats, device)
+        peak = peak_memory_mib(step, device)
+    return dict(step_ms=seconds * 1e3, peak_mib=peak, backends=dict(chosen))
+
+
+def train_pair(pair, batch_size, device, warmup, repeats, log):
+    """Rows of one bench_train_step pair, the last model (transformers' twin) the baseline of each ratio."""
+    from bench_train_step import PAIRS, batches
+
+    models = PAIRS[pair][0]("auto")
+    inputs = to_device(batches(pair, batch_size), device)
+    rows = []
+    for name, model in models.items():
+        row = dict(name=name, pair=pair, batch=batch_size, parameters=sum(p.numel() for p in model.parameters()))
+        try:
+            row.update(step_timings(model, inputs, device, warmup, repeats))
+        except Exception as error:
+            row.update(error_fields(error))
+        model.cpu()
+        log(f"train {name}: {row.get('step_ms', row.get('error'))} ms, backends {row.get('backends')}")
+        rows.append(row)
+    baseline = rows[-1]
+    for row in rows:
+        if "step_ms" in row and "step_ms" in baseline:
+            row.update(baseline=baseline["name"], ratio=row["step_ms"] / baseline["step_ms"])
+    return rows
+
+
+def train_section(device, log, batches=TRAIN_BATCHES, warmup=3, repeats=10):
+    rows = []
+    for pair, batch_size in batches.items():
+        try:
+            rows.extend(train_pair(pair, batch_size, device, warmup, repeats, log))
+        except Exception as error:
+            rows.append(dict(name=pair, pair=pair, **error_fields(error)))
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def dynamo_counts():
+    from torch._dynamo.utils import counters
+
+    return dict(graphs=counters["stats"]["unique_graphs"], graph_breaks=sum(counters["graph_break"].values()))
+
+
+def fresh_dynamo():
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+
+
+def first_call_and_steps(step, device, warmup, repeats):
+    """Seconds of step()'s first call (the compile) and the median step after warm-up."""
+    synchronize(device)
+    start = time.perf_counter()
+    step()
+    synchronize(device)
+    return time.perf_counter() - start, timed(step, warmup, repeats, device)
+
+
+def compiled_step_row(preset, compiled, eager, inputs, device, warmup, repeats):
+    row = dict(name=f"{preset}/train-step", kind="train-step", preset=preset)
+    row.update(eager=step_timings(eager, inputs, device, warmup, repeats))
+    fresh_dynamo()
+    compiled.to(device).train()
+    step = training_step(compiled, torch.optim.AdamW(compiled.parameters(), lr=1e-4), inputs, device)
+    with backend_spy() as chosen:
+        first_s, seconds = first_call_and_steps(step, device, warmup, repeats)
+    row.update(first_call_s=first_s, step_ms=seconds * 1e3, ratio_to_eager=seconds * 1e3 / row["eager"]["step_ms"],
+               backends=dict(chosen), **dynamo_counts())  # fmt: skip
+    return row
+
+
+def cuda_graphs_row(preset, eager, inputs, device, warmup, repeats):
+    row = dict(name=f"{preset}/train-step-cuda-graphs", kind="train-step-cuda-graphs", preset=preset)
+    fresh_dynamo()
+    graphed = torch.compile(eager, fullgraph=True, mode="reduce-overhead")
+    step = training_step(graphed, torch.optim.AdamW(eager.parameters(), lr=1e-4), inputs, device, cuda_graphs=True)
+    with backend_spy() as chosen:
+        first_s, seconds = first_call_and_steps(step, device, warmup, repeats)
+    row.update(first_call_s=first_s, step_ms=seconds * 1e3, backends=dict(chosen), **dynamo_counts())
+    return row
+
+
+def compiled_generation_row(preset, model, device, compiler, new_tokens):
+    """Greedy decoding with model.forward compiled (fullgraph) against eager decoding."""
+    model.to(device).eval()
+    prompt = torch.randint(2, model.config.vocab_size, (2, 6), generator=torch.Generator().manual_seed(0)).to(device)
+    generate = dict(attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                    do_sample=False, pad_token_id=0)  # fmt: skip
+    with torch.no_grad():
+        expected = model.generate(prompt, **generate)
+        fresh_dynamo()
+        model.forward = torch.compile(model.forward, backend=compiler, fullgraph=True)
+        try:
+            with backend_spy() as chosen:
+                start = time.perf_counter()
+                tokens = model.generate(prompt, **generate)
+                seconds = time.perf_counter() - start
+        finally:
+            del model.forward  # the class's forward again
+    return dict(name=f"{preset}/generate", kind="generate", preset=preset, new_tokens=new_tokens, seconds=seconds,
+                tokens_equal_eager=torch.equal(tokens, expected), backends=dict(chosen), **dynamo_counts())  # fmt: skip
+
+
+def compiled_attention_row(name, shape, formulation, device, compiler):
+    """plap_attention's output and the gradients of q, k and v, compiled (fullgraph) against eager on the same inputs:
+    on a GPU the fused kernels as Inductor launches them, with their arguments functionalized (each tensor a kernel
+    writes is cloned and copied back), which an argument that aliased a written one would break."""
+    batch, heads, length, head_dim, causal = shape
+    q, k, v, grad_out = bf16_attention_inputs(batch, heads, length, head_dim, device)
+    p = tuple(paper_p_mix(heads))
+    row = dict(name=f"{name}/attention-{formulation}", kind="attention", formulation=formulation, batch=batch,
+               heads=heads, length=length, head_dim=head_dim, causal=causal)  # fmt: skip
+
+    def attend(q, k, v):
+        return plap_attention(q, k, v, p, is_causal=causal, formulation=formulation)
+
+    def forward_backward(attend):
+        out = attend(q, k, v)
+        return (out, *torch.autograd.grad(out, (q, k, v), grad_out))
+
+    expected = forward_backward(attend)
+    fresh_dynamo()
+    with backend_spy() as chosen:
+        compiled = forward_backward(torch.compile(attend, backend=compiler, fullgraph=True))
+    errors = {part: relative_error(ours, reference)
+              for part, ours, reference in zip(("out", "grad_q", "grad_k", "grad_v"), compiled, expected)}  # fmt: skip
+    tolerance = TOLERANCE["bfloat16"]
+    row.update(errors=errors, tolerance=tolerance, backends=dict(chosen), **dynamo_counts())
+    row["failures"] = [f"{part}: relative error {error:.2e} > {tolerance}" for part, error in errors.items()
+                       if not error <= tolerance]  # fmt: skip
+    return row
+
+
+def compile_section(device, log, presets=COMPILE_PRESETS, cuda_graphs_preset=CUDA_GRAPHS_PRESET, compiler="inductor",
+                    batch=32, warmup=3, repeats=10, new_tokens=12, attention_shapes=COMPILED_ATTENTION_SHAPES):  # fmt: skip
+    from bench_train_step import batches, compile_pair
+
+    inputs = to_device(batches("compile", batch), device)
+    rows = []
+    for (name, shape), formulation in itertools.product(attention_shapes.items(), ("paper", "euler")):
+        try:
+            rows.append(compiled_attention_row(name, shape, formulation, device, compiler))
+        except Exception as error:
+            rows.append(dict(name=f"{name}/attention-{formulation}", kind="attention", **error_fields(error)))
+        log(f"compile {rows[-1]['name']}: " + json.dumps({key: rows[-1].get(key) for key in (
+            "errors", "backends", "graph_breaks", "error")}))
+    for preset in presets:
+        try:
+            compiled, eager = compile_pair(preset, backend=compiler)("auto").values()
+        except Exception as error:
+            rows.append(dict(name=preset, preset=preset, **error_fields(error)))
+            continue
+        runs = [functools.partial(compiled_step_row, preset, compiled, eager, inputs, device, warmup, repeats)]
+        if preset == cuda_graphs_preset:
+            runs.append(functools.partial(cuda_graphs_row, preset, eager, inputs, device, warmup, repeats))
+        runs.append(functools.partial(compiled_generation_row, preset, eager, device, compiler, new_tokens))
+        for run in runs:
+            if run.func is cuda_graphs_row and device.type != "cuda":
+                rows.append(dict(name=f"{preset}/train-step-cuda-graphs", kind="train-step-cuda-graphs",
+                                 preset=preset, skipped="CUDA graphs need a CUDA device"))  # fmt: skip
+                continue
+            try:
+                rows.append(run())
+            except Exception as error:
+                rows.append(dict(name=f"{preset}/{run.func.__name__}", preset=preset, **error_fields(error)))
+            log(f"compile {rows[-1]['name']}: " + json.dumps({key: rows[-1].get(key) for key in (
+                "first_call_s", "step_ms", "ratio_to_eager", "graphs", "graph_breaks", "tokens_equal_eager", "error")}))
+    fresh_dynamo()
+    return rows
+
+
+def decode_section(device, log, shapes=("gpt2", "llama"), batch_sizes=(1, 8), new_tokens=100, repeats=3,
+                   dtype=torch.bfloat16):  # fmt: skip
+    from bench_decode import BASELINE, decode_seconds, models
+
+    rows = []
+    for shape in shapes:
+        try:
+            built = {name: model.to(device, dtype) for name, model in models(shape).items()}
+        except Exception as error:
+            rows.append(dict(name=shape, shape=shape, **error_fields(error)))
+            continue
+        for batch in batch_sizes:
+            prompt = torch.randint(1, 10000, (batch, 16), generator=torch.Generator().manual_seed(batch)).to(device)
+            shape_rows = {}
+            for name, model in built.items():
+                row = dict(name=f"{shape}/{name}/batch{batch}", shape=shape, model=name, batch=batch,
+                           new_tokens=new_tokens, dtype=str(dtype).removeprefix("torch."))  # fmt: skip
+                try:
+                    decode_seconds(model, prompt, 8)  # warm-up
+                    with backend_spy() as chosen:
+                        seconds = statistics.median(decode_seconds(model, prompt, new_tokens) for _ in range(repeats))
+                    row.update(seconds=seconds, tokens_per_s=batch * new_tokens / seconds, backends=dict(chosen))
+                except Exception as error:
+                    row.update(error_fields(error))
+                shape_rows[name] = row
+            for row in shape_rows.values():
+                if "seconds" in row and "seconds" in shape_rows[BASELINE]:
+                    row["ratio_to_transformers"] = row["seconds"] / shape_rows[BASELINE]["seconds"]
+                log(f"decode {row['name']}: {row.get('tokens_per_s', row.get('error'))} tokens/s")
+            rows.extend(shape_rows.values())
+    return rows
+
+
+def main_job_arguments(output_dir, device):
+    """run_clm.py's arguments for the README's main job, in bfloat16 on a GPU."""
+    bf16 = ["--bf16", "true"] if device.type == "cuda" else []
+    return ["plat-ptb-tiny.yaml", "--output_dir", str(output_dir), *bf16]
+
+
+def main_job_section(device, log, timeout_s, script=ROOT / "run_clm.py", extra_args=()):
+    with tempfile.TemporaryDirectory() as folder:
+        output_dir = Path(folder) / "plat-ptb-tiny"
+        command = [sys.executable, str(script), *main_job_arguments(output_dir, device), *extra_args]
+        row = dict(name="plat-ptb-tiny", command=" ".join(command[1:]), timeout_s=timeout_s)
+        start = time.perf_counter()
+        try:
+            done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
+        except subprocess.TimeoutExpired as expired:
+            output = (expired.stdout or b"")[-3000:]
+            return [dict(row, wall_s=time.perf_counter() - start, failures=[f"timed out after {timeout_s:.0f} s"],
+                         output_tail=output.decode(errors="replace") if isinstance(output, bytes) else output)]
+        row.update(wall_s=time.perf_counter() - start, returncode=done.returncode,
+                   output_tail=(done.stdout + done.stderr)[-3000:])  # fmt: skip
+        results = output_dir / "all_results.json"
+        if done.returncode == 0 and results.exists():
+            row["metrics"] = json.loads(results.read_text())
+        else:
+            row["failures"] = [f"exit status {done.returncode}" + ("" if results.exists() else ", no all_results.json")]
+    log(f"main job: {row['wall_s']:.0f} s, test perplexity {row.get('metrics', {}).get('test_perplexity')}")
+    return [row]
