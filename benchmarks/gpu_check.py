@@ -38,12 +38,15 @@ and main-job), this script runs them within the budget and writes the record:
   host time (cProfile: the functions with the most own time, allocations and launchers included).
 - train: optimizer steps (forward, backward, AdamW) under bf16 autocast of benchmarks/bench_train_step.py's
   vision (DeiT-tiny), lm (the paper's LM) and llama-125m (12 x 768, 8 x 1024 tokens) pairs, p-LaT against
-  transformers' twins with SDPA (its default backend); medians after warm-up, peak memory.
+  transformers' twins with SDPA (its default backend), a pair's models side by side on the GPU: after the warm-up,
+  rounds of one step of each, in an order rotated every round; the median step, the ratio to the twin as the median
+  of each round's ratio (ratio_range: the least and the greatest of them), peak memory.
 - compile: bfloat16 plap_attention compiled (fullgraph) against eager at the paper LM's shape and a causal 2k, each
   formulation: the output and the gradients of q, k and v within bfloat16's tolerance (the kernels as Inductor
   launches them, their written arguments functionalized); the plat-ptb-tiny and plat-llama-tiny presets' training
-  steps under torch.compile(fullgraph=True)
-  against eager (first-call and step times, graphs, graph breaks), the first also with mode="reduce-overhead"
+  steps under torch.compile(fullgraph=True) against eager (the first call's time; then the two side by side, as the
+  train section times a pair: steps, ratio_to_eager and its range; graphs, graph breaks), the first also with
+  mode="reduce-overhead"
   (CUDA graphs), and greedy generation with model.forward compiled (fullgraph): graphs, tokens against eager.
 - fallback: where the kernels cannot run (a (B, H, N, N) mask), the eager and tiled backends' forward + backward
   time and peak memory at 512, 2k and 8k tokens: what auto should take on CUDA.

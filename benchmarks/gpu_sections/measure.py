@@ -1,5 +1,5 @@
-"""What the sections of the GPU check share: the GPU's clock, peak memory, seeded attention inputs, the backends
-``auto`` chose, relative errors and how a row records an error."""
+"""What the sections of the GPU check share: the GPU's clock, steps timed side by side, peak memory, seeded attention
+inputs, the backends ``auto`` chose, relative errors and how a row records an error."""
 
 import collections
 import contextlib
@@ -70,6 +70,38 @@ def timed(fn, warmup, repeats, device):
             fn()
             times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def side_by_side(steps, device, warmup, repeats):
+    """Each of ``steps`` ({name: step()}) timed in ``repeats`` rounds after ``warmup`` rounds, as ``timed`` times a call.
+    A round runs every step once, in an order rotated from round to round, so that what drifts during a run (the
+    GPU's clocks, the host's other work) reaches every step alike, and each time has the others' of its round beside
+    it (``paired_ratio``). {name: dict(seconds=[one per round], backends={backend: calls})}, the backends that
+    plap_attention's dispatcher returned in its calls; a step that raised gets ``error_fields`` instead and leaves the
+    later rounds."""
+    results = {name: dict(seconds=[], backends=collections.Counter()) for name in steps}
+    with backend_spy() as chosen:
+        for round_ in range(warmup + repeats):
+            running = [name for name in steps if "error" not in results[name]]
+            turn = round_ % max(len(running), 1)
+            for name in running[turn:] + running[:turn]:
+                before = collections.Counter(chosen)
+                try:
+                    seconds = timed(steps[name], 0, 1, device)
+                except Exception as error:
+                    results[name] = error_fields(error)
+                    continue
+                results[name]["backends"].update(chosen - before)
+                if round_ >= warmup:
+                    results[name]["seconds"].append(seconds)
+    return results
+
+
+def paired_ratio(seconds, baseline):
+    """The median over rounds of a step's time over its baseline's in the same round, and the least and the greatest
+    of those ratios: how much the ratio varied within the run."""
+    ratios = [ours / theirs for ours, theirs in zip(seconds, baseline, strict=True)]
+    return statistics.median(ratios), (min(ratios), max(ratios))
 
 
 def peak_memory_mib(fn, device):

@@ -17,8 +17,8 @@ from modeling_plat import paper_p_mix
 from modeling_plat.plap_dispatch import plap_attention
 
 from .attention import ATTENTION_SHAPES
-from .measure import (ROOT, TOLERANCE, backend_spy, bf16_attention_inputs, error_fields, peak_memory_mib,
-                      relative_error, synchronize, timed, to_device)  # fmt: skip
+from .measure import (ROOT, TOLERANCE, backend_spy, bf16_attention_inputs, error_fields, paired_ratio, peak_memory_mib,
+                      relative_error, side_by_side, synchronize, timed, to_device)  # fmt: skip
 
 TRAIN_BATCHES = {"vision": 64, "lm": 16, "llama-125m": 8}
 COMPILE_PRESETS = ("plat-ptb-tiny", "plat-llama-tiny")
@@ -43,35 +43,47 @@ def training_step(model, optimizer, inputs, device, cuda_graphs=False):
     return step
 
 
-def step_timings(model, inputs, device, warmup, repeats):
+def optimizer_step(model, inputs, device):
+    """``training_step`` of ``model`` on ``device``, in training mode, with an AdamW of its own."""
     model.to(device).train()
-    step = training_step(model, torch.optim.AdamW(model.parameters(), lr=1e-4), inputs, device)
-    with backend_spy() as chosen:
-        seconds = timed(step, warmup, repeats, device)
-        peak = peak_memory_mib(step, device)
-    return dict(step_ms=seconds * 1e3, peak_mib=peak, backends=dict(chosen))
+    return training_step(model, torch.optim.AdamW(model.parameters(), lr=1e-4), inputs, device)
+
+
+def step_row(result, step, device, baseline=None):
+    """A timed step's fields from its ``side_by_side`` result: the median step, the peak memory of one more step,
+    the backends chosen and, against the ``baseline``'s result, ``paired_ratio`` as ``ratio`` and ``ratio_range``."""
+    if "error" in result:
+        return dict(result)
+    row = dict(step_ms=statistics.median(result["seconds"]) * 1e3, backends=dict(result["backends"]))
+    if baseline is not None and "seconds" in baseline:
+        row["ratio"], row["ratio_range"] = paired_ratio(result["seconds"], baseline["seconds"])
+    try:
+        row["peak_mib"] = peak_memory_mib(step, device)
+    except Exception as error:
+        row.update(error_fields(error))
+    return row
 
 
 def train_pair(pair, batch_size, device, warmup, repeats, log):
-    """Rows of one bench_train_step pair, the last model (transformers' twin) the baseline of each ratio."""
+    """Rows of one bench_train_step pair, its models timed side by side, the last model (transformers' twin) the
+    baseline of each ratio."""
     from bench_train_step import PAIRS, batches
 
     models = PAIRS[pair][0]("auto")
     inputs = to_device(batches(pair, batch_size), device)
+    steps = {name: optimizer_step(model, inputs, device) for name, model in models.items()}
+    results = side_by_side(steps, device, warmup, repeats)
+    baseline = list(models)[-1]
     rows = []
     for name, model in models.items():
-        row = dict(name=name, pair=pair, batch=batch_size, parameters=sum(p.numel() for p in model.parameters()))
-        try:
-            row.update(step_timings(model, inputs, device, warmup, repeats))
-        except Exception as error:
-            row.update(error_fields(error))
-        model.cpu()
-        log(f"train {name}: {row.get('step_ms', row.get('error'))} ms, backends {row.get('backends')}")
+        row = dict(name=name, pair=pair, batch=batch_size, parameters=sum(p.numel() for p in model.parameters()),
+                   baseline=baseline)  # fmt: skip
+        row.update(step_row(results[name], steps[name], device, results[baseline]))
+        log(f"train {name}: {row.get('step_ms', row.get('error'))} ms, {row.get('ratio')} x {baseline} (paired; "
+            f"range {row.get('ratio_range')}), backends {row.get('backends')}")
         rows.append(row)
-    baseline = rows[-1]
-    for row in rows:
-        if "step_ms" in row and "step_ms" in baseline:
-            row.update(baseline=baseline["name"], ratio=row["step_ms"] / baseline["step_ms"])
+    for model in models.values():
+        model.cpu()
     return rows
 
 
@@ -100,25 +112,31 @@ def fresh_dynamo():
     counters.clear()
 
 
-def first_call_and_steps(step, device, warmup, repeats):
-    """Seconds of step()'s first call (the compile) and the median step after warm-up."""
+def first_call_seconds(step, device):
+    """Seconds of step()'s first call: the compile."""
     synchronize(device)
     start = time.perf_counter()
     step()
     synchronize(device)
-    return time.perf_counter() - start, timed(step, warmup, repeats, device)
+    return time.perf_counter() - start
 
 
 def compiled_step_row(preset, compiled, eager, inputs, device, warmup, repeats):
+    """The compiled model's first step (the compile) alone, then its steps and the eager model's side by side."""
     row = dict(name=f"{preset}/train-step", kind="train-step", preset=preset)
-    row.update(eager=step_timings(eager, inputs, device, warmup, repeats))
+    eager_step = optimizer_step(eager, inputs, device)
     fresh_dynamo()
-    compiled.to(device).train()
-    step = training_step(compiled, torch.optim.AdamW(compiled.parameters(), lr=1e-4), inputs, device)
+    step = optimizer_step(compiled, inputs, device)
     with backend_spy() as chosen:
-        first_s, seconds = first_call_and_steps(step, device, warmup, repeats)
-    row.update(first_call_s=first_s, step_ms=seconds * 1e3, ratio_to_eager=seconds * 1e3 / row["eager"]["step_ms"],
-               backends=dict(chosen), **dynamo_counts())  # fmt: skip
+        first_s = first_call_seconds(step, device)
+    results = side_by_side({"compiled": step, "eager": eager_step}, device, warmup, repeats)
+    if "backends" in results["compiled"]:
+        results["compiled"]["backends"].update(chosen)  # chosen while tracing, in the first call
+    row.update(eager=step_row(results["eager"], eager_step, device), first_call_s=first_s, **dynamo_counts())
+    timing = step_row(results["compiled"], step, device, results["eager"])
+    if "ratio" in timing:
+        timing["ratio_to_eager"], timing["ratio_range"] = timing.pop("ratio"), timing.pop("ratio_range")
+    row.update(timing)
     return row
 
 
@@ -128,7 +146,8 @@ def cuda_graphs_row(preset, eager, inputs, device, warmup, repeats):
     graphed = torch.compile(eager, fullgraph=True, mode="reduce-overhead")
     step = training_step(graphed, torch.optim.AdamW(eager.parameters(), lr=1e-4), inputs, device, cuda_graphs=True)
     with backend_spy() as chosen:
-        first_s, seconds = first_call_and_steps(step, device, warmup, repeats)
+        first_s = first_call_seconds(step, device)
+        seconds = timed(step, warmup, repeats, device)
     row.update(first_call_s=first_s, step_ms=seconds * 1e3, backends=dict(chosen), **dynamo_counts())
     return row
 
@@ -217,7 +236,8 @@ def compile_section(device, log, presets=COMPILE_PRESETS, cuda_graphs_preset=CUD
             except Exception as error:
                 rows.append(dict(name=f"{preset}/{run.func.__name__}", preset=preset, **error_fields(error)))
             log(f"compile {rows[-1]['name']}: " + json.dumps({key: rows[-1].get(key) for key in (
-                "first_call_s", "step_ms", "ratio_to_eager", "graphs", "graph_breaks", "tokens_equal_eager", "error")}))
+                "first_call_s", "step_ms", "ratio_to_eager", "ratio_range", "graphs", "graph_breaks",
+                "tokens_equal_eager", "error")}))
     fresh_dynamo()
     return rows
 

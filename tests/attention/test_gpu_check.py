@@ -14,7 +14,7 @@ import torch
 import gpu_check
 from gpu_sections.attention import attention_section, envelope_section, fallback_section
 from gpu_sections.kernels import HOST_PROFILE_TOP, host_profile, host_times, kernel_times, kernels_section
-from gpu_sections.measure import backend_spy, relative_error
+from gpu_sections.measure import backend_spy, paired_ratio, relative_error, side_by_side
 from gpu_sections.models import (COMPILE_PRESETS, compile_section, decode_section, main_job_arguments, main_job_section,
                                  train_section)  # fmt: skip
 from gpu_sections.sweep import (REPEATS, SQUARE, attend, case_name, each_document_alone, judge, make_case_inputs,
@@ -250,11 +250,45 @@ def test_host_profile_names_the_functions_of_a_call():
     assert profile["own_us"] == pytest.approx(sum(function["own_us"] for function in profile["functions"]))
 
 
+def test_side_by_side_rotates_the_order_and_leaves_out_a_step_that_raised():
+    q, k, v = (torch.randn(1, 2, 8, 4) for _ in range(3))
+    calls = []
+
+    def step(name, fails_at_call=None):
+        def run():
+            calls.append(name)
+            if calls.count(name) == fails_at_call:
+                raise RuntimeError("out of memory")
+            if name == "a":
+                plap_attention(q, k, v, (1.5, 2.5), backend="tiled")
+
+        return run
+
+    results = side_by_side({"a": step("a"), "b": step("b"), "c": step("c", fails_at_call=3)}, CPU, warmup=1,
+                           repeats=3)  # fmt: skip
+    # Rounds: a b c (warm-up), b c a, c a b (c raises), then b a: each name leads once in turn.
+    assert calls == ["a", "b", "c", "b", "c", "a", "c", "a", "b", "b", "a"]
+    assert len(results["a"]["seconds"]) == len(results["b"]["seconds"]) == 3
+    assert all(seconds > 0 for seconds in results["a"]["seconds"])
+    assert results["a"]["backends"] == {"tiled": 4} and results["b"]["backends"] == {}  # warm-up included
+    assert results["c"]["error"] == "RuntimeError: out of memory" and "seconds" not in results["c"]
+
+
+def test_paired_ratio_is_the_median_of_each_rounds_ratio():
+    assert paired_ratio([2.0, 4.0, 9.0], [1.0, 2.0, 3.0]) == (2.0, (2.0, 3.0))
+    # A slow round of both (the GPU's clock, the host busy) moves neither the ratio nor its range.
+    assert paired_ratio([2.0, 40.0, 6.0], [1.0, 20.0, 3.0]) == (2.0, (2.0, 2.0))
+    with pytest.raises(ValueError):
+        paired_ratio([1.0, 2.0], [1.0])
+
+
 def test_train_section_on_cpu():
-    rows = train_section(CPU, quiet, batches={"ptb": 2}, warmup=0, repeats=1)
+    rows = train_section(CPU, quiet, batches={"ptb": 2}, warmup=0, repeats=2)
     assert [row["name"] for row in rows] == ["plat-ptb-tiny", "softmax-ptb-tiny"]
     plat, softmax = rows
     assert plat["step_ms"] > 0 and plat["baseline"] == "softmax-ptb-tiny" and softmax["ratio"] == 1.0
+    low, high = plat["ratio_range"]
+    assert 0 < low <= plat["ratio"] <= high and softmax["ratio_range"] == (1.0, 1.0)
     assert set(plat["backends"]) <= {"eager", "tiled"} and sum(plat["backends"].values()) >= 4  # every layer
     assert softmax["backends"] == {}  # p = 2: SDPA, no choice made
 
@@ -276,6 +310,7 @@ def test_compile_section_on_cpu(tmp_path):
     assert "error" not in step and step["graph_breaks"] == 0 and step["graphs"] == 1, step
     (chosen,) = step["backends"]  # the backend compiled in is the one eager runs
     assert step["ratio_to_eager"] > 0 and step["backends"] == {chosen: 1}  # 3 calls, counted once while tracing
+    assert step["ratio_range"][0] == step["ratio_to_eager"] == step["ratio_range"][1]  # one round, side by side
     assert step["eager"]["backends"] == {chosen: 2}  # counted per call: warm-up, timed step
     assert graphs["skipped"] == "CUDA graphs need a CUDA device"
     assert "error" not in generate and generate["graph_breaks"] == 0 and generate["tokens_equal_eager"], generate
