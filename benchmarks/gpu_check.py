@@ -38,16 +38,14 @@ and main-job), this script runs them within the budget and writes the record:
   host time (cProfile: the functions with the most own time, allocations and launchers included).
 - train: optimizer steps (forward, backward, AdamW) under bf16 autocast of benchmarks/bench_train_step.py's
   vision (DeiT-tiny), lm (the paper's LM) and llama-125m (12 x 768, 8 x 1024 tokens) pairs, p-LaT against
-  transformers' twins with SDPA (its default backend), a pair's models side by side on the GPU: after the warm-up,
-  rounds of one step of each, in an order rotated every round; the median step, the ratio to the twin as the median
-  of each round's ratio (ratio_range: the least and the greatest of them), peak memory.
+  transformers' twins with SDPA (its default backend), a pair's models on the GPU together: the median step, the
+  ratio to the twin, peak memory.
 - compile: bfloat16 plap_attention compiled (fullgraph) against eager at the paper LM's shape and a causal 2k, each
   formulation: the output and the gradients of q, k and v within bfloat16's tolerance (the kernels as Inductor
   launches them, their written arguments functionalized); the plat-ptb-tiny and plat-llama-tiny presets' training
-  steps under torch.compile(fullgraph=True) against eager (the first call's time; then the two side by side, as the
-  train section times a pair: steps, ratio_to_eager and its range; graphs, graph breaks), the first also with
-  mode="reduce-overhead"
-  (CUDA graphs), and greedy generation with model.forward compiled (fullgraph): graphs, tokens against eager.
+  steps under torch.compile(fullgraph=True) against eager (the first call's time, then steps and ratio_to_eager,
+  graphs, graph breaks), the first also with mode="reduce-overhead" (CUDA graphs), and greedy generation with
+  model.forward compiled (fullgraph): graphs, tokens against eager.
 - fallback: where the kernels cannot run (a (B, H, N, N) mask), the eager and tiled backends' forward + backward
   time and peak memory at 512, 2k and 8k tokens: what auto should take on CUDA.
 - decode: greedy decoding with the KV cache in bfloat16, benchmarks/bench_decode.py's GPT-2 and Llama shapes
@@ -55,14 +53,17 @@ and main-job), this script runs them within the budget and writes the record:
 - main-job: the README's main job, ``run_clm.py plat-ptb-tiny.yaml --bf16 true`` in a temporary folder: its
   wall time and final metrics (all_results.json).
 
-Every timed p-LaT row counts the backends ``auto`` chose, by name (under torch.compile: the choices made while
-tracing, once per graph), so that a fall back from the fused kernels shows. The targets are judged at the end, one
-PASS / FAIL / NOT MEASURED line each (gpu_sections/targets.py). Sections run in order while the time used plus the
-section's expected time (EXPECTED_S, estimated for an H100) fits --budget-s; one that would not is skipped with the
-reason. The record is rewritten after every section, so that a run stopped from outside keeps what was done, with
-the GPU, driver, CUDA, torch, Triton and transformers versions and the folder modeling_plat was imported from (a
-baseline's on PYTHONPATH is measured the same way). Exit status: 1 if anything failed (a check, a target, an error),
-2 without a CUDA GPU.
+What a row compares runs side by side: after the warm-up, rounds of one call (or step) of each, in an order rotated
+every round, so that what drifts during a run (the GPU's clocks, the host's other work) reaches each alike; a time
+is the median of its rounds, a ratio the median of each round's ratio, with its range (the least and the greatest of
+them: ratio_range, fwd_range, fwd_bwd_range). Every timed p-LaT row counts the backends ``auto`` chose, by name
+(under torch.compile: the choices made while tracing, once per graph), so that a fall back from the fused kernels
+shows. The targets are judged at the end, one PASS / FAIL / NOT MEASURED line each (gpu_sections/targets.py).
+Sections run in order while the time used plus the section's expected time (EXPECTED_S, estimated for an H100) fits
+--budget-s; one that would not is skipped with the reason. The record is rewritten after every section, so that a
+run stopped from outside keeps what was done, with the GPU, driver, CUDA, torch, Triton and transformers versions
+and the folder modeling_plat was imported from (a baseline's on PYTHONPATH is measured the same way). Exit status: 1
+if anything failed (a check, a target, an error), 2 without a CUDA GPU.
 """
 
 import argparse

@@ -3,13 +3,14 @@ scaled_dot_product_attention, at the kernels' shapes, at what reached the kernel
 
 import contextlib
 import functools
+import statistics
 
 import torch
 
 from modeling_plat import paper_p_mix
 from modeling_plat.plap_dispatch import plap_attention
 
-from .measure import backend_spy, bf16_attention_inputs, error_fields, peak_memory_mib, timed
+from .measure import bf16_attention_inputs, error_fields, paired_ratio, peak_memory_mib, side_by_side
 
 # name: (batch, heads, length, head size, causal)
 ATTENTION_SHAPES = {
@@ -37,19 +38,58 @@ def sdpa(q, k, v, causal, backend):
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
 
-def attention_timings(call, inputs, grad_out, work, floor, device, warmup, repeats):
-    """Forward and forward + backward milliseconds of call(), TFLOP/s against ``floor`` multiply-adds per unit of
-    ``work``, and the peak memory of a forward + backward."""
+def attention_timings(calls, inputs, grad_out, work, device, warmup, repeats):
+    """Each of ``calls`` ({label: (call(), floor)}) timed side by side (``side_by_side``), forward without gradients
+    and forward + backward: {label: milliseconds (medians), TFLOP/s against ``floor`` multiply-adds per unit of
+    ``work``, the peak memory of a forward + backward and the backends chosen, or ``error_fields`` where it raised}, and
+    {label: the first label's ``paired_ratio`` to this later one's, forward and forward + backward, with their ranges}.
+    """
 
-    def forward_backward():
-        torch.autograd.grad(call(), inputs, grad_out)
+    def forward_backward(call):
+        return lambda: torch.autograd.grad(call(), inputs, grad_out)
 
     with torch.no_grad():
-        forward = timed(call, warmup, repeats, device)
-    both = timed(forward_backward, warmup, repeats, device)
-    return dict(fwd_ms=forward * 1e3, fwd_bwd_ms=both * 1e3, fwd_tflops=2 * floor[0] * work / forward / 1e12,
-                fwd_bwd_tflops=2 * floor[1] * work / both / 1e12,
-                fwd_bwd_peak_mib=peak_memory_mib(forward_backward, device))  # fmt: skip
+        forward = side_by_side({label: call for label, (call, _) in calls.items()}, device, warmup, repeats)
+    both = side_by_side({label: forward_backward(call) for label, (call, _) in calls.items()}, device, warmup, repeats)
+    timings = {}
+    for label, (call, floor) in calls.items():
+        raised = [part[label] for part in (forward, both) if "error" in part[label]]
+        if raised:
+            timings[label] = raised[0]
+            continue
+        fwd, fwd_bwd = (statistics.median(part[label]["seconds"]) for part in (forward, both))
+        timings[label] = dict(fwd_ms=fwd * 1e3, fwd_bwd_ms=fwd_bwd * 1e3, fwd_tflops=2 * floor[0] * work / fwd / 1e12,
+                              fwd_bwd_tflops=2 * floor[1] * work / fwd_bwd / 1e12,
+                              backends=dict(forward[label]["backends"] + both[label]["backends"]))  # fmt: skip
+        try:
+            timings[label]["fwd_bwd_peak_mib"] = peak_memory_mib(forward_backward(call), device)
+        except Exception as error:
+            timings[label] = error_fields(error)
+    first, *others = calls
+    ratios = {}
+    for label in others:
+        if "error" not in timings[first] and "error" not in timings[label]:
+            ratios[label] = {}
+            for part, results in (("fwd", forward), ("fwd_bwd", both)):
+                ratio, spread = paired_ratio(results[first]["seconds"], results[label]["seconds"])
+                ratios[label].update({part: ratio, f"{part}_range": spread})
+    return timings, ratios
+
+
+def timed_fields(timings, ratios):
+    """A row's fields from ``attention_timings``: each label's timings, where p-LaT ("plat") raised the row's error,
+    where a baseline raised ``unavailable`` (a backend this GPU or shape does not offer, or memory it lacks: no
+    failure of ours), and ``ratio_to_<label>``."""
+    fields = {}
+    for label, timing in timings.items():
+        if "error" not in timing:
+            fields[label] = timing
+        elif label == "plat":
+            fields.update(timing)
+        else:
+            fields[label] = dict(unavailable=timing["error"][:300])
+    fields.update({f"ratio_to_{label}": ratio for label, ratio in ratios.items()})
+    return fields
 
 
 def attention_row(name, shape, device, warmup, repeats):
@@ -58,22 +98,10 @@ def attention_row(name, shape, device, warmup, repeats):
     p = tuple(paper_p_mix(heads))
     work = batch * heads * length * length * (0.5 if causal else 1.0) * head_dim
     row = dict(name=name, batch=batch, heads=heads, length=length, head_dim=head_dim, causal=causal)
-    measure = functools.partial(attention_timings, inputs=(q, k, v), grad_out=grad_out, work=work, device=device,
-                                warmup=warmup, repeats=repeats)  # fmt: skip
-    try:
-        with backend_spy() as chosen:
-            row["plat"] = measure(lambda: plap_attention(q, k, v, p, is_causal=causal), floor=MATMUL_FLOOR["plat"])
-        row["plat"]["backends"] = dict(chosen)
-    except Exception as error:
-        row.update(error_fields(error))
+    calls = {"plat": (lambda: plap_attention(q, k, v, p, is_causal=causal), MATMUL_FLOOR["plat"])}
     for label, backend in SDPA_VARIANTS.items():
-        try:
-            row[label] = measure(functools.partial(sdpa, q, k, v, causal, backend), floor=MATMUL_FLOOR["sdpa"])
-        except Exception as error:  # a baseline this GPU or shape does not offer: recorded, no failure of ours
-            row[label] = dict(unavailable=f"{type(error).__name__}: {error}")
-        if "fwd_ms" in row.get("plat", {}) and "fwd_ms" in row[label]:
-            row[f"ratio_to_{label}"] = dict(fwd=row["plat"]["fwd_ms"] / row[label]["fwd_ms"],
-                                            fwd_bwd=row["plat"]["fwd_bwd_ms"] / row[label]["fwd_bwd_ms"])  # fmt: skip
+        calls[label] = functools.partial(sdpa, q, k, v, causal, backend), MATMUL_FLOOR["sdpa"]
+    row.update(timed_fields(*attention_timings(calls, (q, k, v), grad_out, work, device, warmup, repeats)))
     return row
 
 
@@ -129,27 +157,15 @@ def envelope_row(name, shape, device, warmup, repeats):
     work = pairs * heads * head_dim
     row = dict(name=name, batch=batch, heads=heads, length=length, head_dim=head_dim,
                pattern={key: value for key, value in extra.items()})  # fmt: skip
-    measure = functools.partial(attention_timings, inputs=(q, k, v), grad_out=grad_out, work=work, device=device,
-                                warmup=warmup, repeats=repeats)  # fmt: skip
-    try:
-        with backend_spy() as chosen:
-            row["plat"] = measure(lambda: plap_attention(q, k, v, p, **kwargs), floor=MATMUL_FLOOR["plat"])
-        row["plat"]["backends"] = dict(chosen)
-    except Exception as error:
-        row.update(error_fields(error))
 
     def sdpa_pattern():
         if mask is None:
             return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
-    for label, call in {"sdpa": sdpa_pattern, **baselines}.items():
-        try:
-            row[label] = measure(call, floor=MATMUL_FLOOR["sdpa"])
-            row[f"ratio_to_{label}"] = dict(fwd=row["plat"]["fwd_ms"] / row[label]["fwd_ms"],
-                                            fwd_bwd=row["plat"]["fwd_bwd_ms"] / row[label]["fwd_bwd_ms"])  # fmt: skip
-        except Exception as error:  # a baseline not installed, or a failed row of ours: recorded above
-            row[label] = dict(unavailable=f"{type(error).__name__}: {error}")
+    calls = {"plat": (lambda: plap_attention(q, k, v, p, **kwargs), MATMUL_FLOOR["plat"])}
+    calls.update({label: (call, MATMUL_FLOOR["sdpa"]) for label, call in {"sdpa": sdpa_pattern, **baselines}.items()})
+    row.update(timed_fields(*attention_timings(calls, (q, k, v), grad_out, work, device, warmup, repeats)))
     return row
 
 
@@ -176,13 +192,10 @@ def fallback_section(device, log, shapes=FALLBACK_SHAPES, warmup=2, repeats=5):
         mask = torch.rand(batch, heads, length, length, device=device) > 0.1  # a full mask: no kernel takes it
         p = tuple(paper_p_mix(heads))
         row = dict(name=name, batch=batch, heads=heads, length=length, head_dim=head_dim)
-        for backend in ("eager", "tiled"):
-            try:
-                row[backend] = attention_timings(lambda: plap_attention(q, k, v, p, attn_mask=mask, backend=backend),
-                                                 (q, k, v), grad_out, 1, MATMUL_FLOOR["plat"], device, warmup,
-                                                 repeats)  # fmt: skip
-            except Exception as error:  # out of memory, most likely: recorded, not a failure of the check
-                row[backend] = dict(unavailable=f"{type(error).__name__}: {str(error)[:300]}")
+        calls = {backend: (functools.partial(plap_attention, q, k, v, p, attn_mask=mask, backend=backend),
+                           MATMUL_FLOOR["plat"]) for backend in ("eager", "tiled")}  # fmt: skip
+        timings, _ = attention_timings(calls, (q, k, v), grad_out, 1, device, warmup, repeats)
+        row.update(timed_fields(timings, {}))  # one that raised (out of memory, most likely) is unavailable
         times = {b: row[b]["fwd_bwd_ms"] for b in ("eager", "tiled") if "fwd_bwd_ms" in row[b]}
         row["faster"] = min(times, key=times.get) if times else None
         log(f"fallback {name}: fwd+bwd ms {times}, peak MiB "

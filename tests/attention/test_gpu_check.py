@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import gpu_check
-from gpu_sections.attention import attention_section, envelope_section, fallback_section
+from gpu_sections.attention import (attention_section, attention_timings, envelope_section, fallback_section,
+                                    timed_fields)  # fmt: skip
 from gpu_sections.kernels import HOST_PROFILE_TOP, host_profile, host_times, kernel_times, kernels_section
 from gpu_sections.measure import backend_spy, paired_ratio, relative_error, side_by_side
 from gpu_sections.models import (COMPILE_PRESETS, compile_section, decode_section, main_job_arguments, main_job_section,
@@ -183,9 +184,25 @@ def test_attention_section_on_cpu():
     (row,) = rows
     assert row["plat"]["backends"] == {"eager": 2}  # forward and forward + backward, one p != 2 head group
     assert row["plat"]["fwd_ms"] > 0 and row["plat"]["fwd_bwd_peak_mib"] is None  # peak memory: CUDA only
-    assert row["ratio_to_sdpa"]["fwd_bwd"] == row["plat"]["fwd_bwd_ms"] / row["sdpa"]["fwd_bwd_ms"]
+    ratio = row["ratio_to_sdpa"]  # one round: its ratio, the median and the range alike
+    assert ratio["fwd_bwd"] == pytest.approx(row["plat"]["fwd_bwd_ms"] / row["sdpa"]["fwd_bwd_ms"])
+    assert ratio["fwd_range"] == (ratio["fwd"], ratio["fwd"]) and ratio["fwd_bwd_range"][1] == ratio["fwd_bwd"]
     assert "unavailable" in row["sdpa-cudnn"] and "ratio_to_sdpa-cudnn" not in row  # no cuDNN on a CPU
     assert "failures" not in row
+
+
+def test_a_failed_plat_call_fails_the_row_and_a_failed_baseline_is_unavailable():
+    q, k, v = (torch.randn(1, 2, 8, 4, requires_grad=True) for _ in range(3))
+
+    def refused():
+        raise ValueError("no backend for this input")
+
+    calls = {"plat": (refused, (3, 11)), "sdpa": (lambda: q * k * v, (2, 7)), "other": (refused, (2, 7))}
+    timings, ratios = attention_timings(calls, (q, k, v), torch.ones(q.shape), 1, CPU, warmup=0, repeats=2)
+    fields = timed_fields(timings, ratios)
+    assert fields["failures"] == ["ValueError: no backend for this input"] and "plat" not in fields
+    assert fields["other"] == {"unavailable": "ValueError: no backend for this input"}
+    assert fields["sdpa"]["fwd_bwd_ms"] > 0 and not ratios
 
 
 def test_kernel_times_by_name_and_launch_order():
@@ -471,6 +488,7 @@ def test_fallback_section_on_cpu():
     rows = fallback_section(CPU, quiet, shapes={"tiny": (1, 2, 48, 16)}, warmup=0, repeats=1)
     assert rows[0]["faster"] in ("eager", "tiled")
     assert rows[0]["eager"]["fwd_bwd_ms"] > 0 and rows[0]["tiled"]["fwd_bwd_ms"] > 0
+    assert rows[0]["eager"]["backends"] == {"eager": 2} and rows[0]["tiled"]["backends"] == {"tiled": 2}
 
 
 def sleep_a_minute(case):
