@@ -27,13 +27,14 @@ KERNEL_CASES = {
 }
 
 
-def kernel_times(call, device, repeats):
-    """{name: launches per call, microseconds per call, median microseconds of each launch in launch order} of the
-    kernels that call() runs on ``device``, from torch.profiler (on a CPU: its operators, nested ones included)."""
+def device_events(call, device, repeats):
+    """(name, microseconds) of each kernel that ``repeats`` calls of call() run on ``device``, in launch order, from
+    torch.profiler (on a CPU: its operators, nested ones included), after one call that builds and caches what the
+    first call compiles."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    call()  # builds and caches what the first call compiles
+    call()
     synchronize(device)
     activity, kind = (ProfilerActivity.CUDA, DeviceType.CUDA) if device.type == "cuda" else (ProfilerActivity.CPU,
                                                                                             DeviceType.CPU)
@@ -41,10 +42,16 @@ def kernel_times(call, device, repeats):
         for _ in range(repeats):
             call()
         synchronize(device)
+    return [(event.name, event.time_range.elapsed_us())
+            for event in sorted(prof.events(), key=lambda event: event.time_range.start) if event.device_type == kind]
+
+
+def kernel_times(call, device, repeats):
+    """{name: launches per call, microseconds per call, median microseconds of each launch in launch order} of the
+    kernels that call() runs on ``device`` (``device_events``)."""
     durations = collections.defaultdict(list)
-    for event in sorted(prof.events(), key=lambda event: event.time_range.start):
-        if event.device_type == kind:
-            durations[event.name].append(event.time_range.elapsed_us())
+    for name, microseconds in device_events(call, device, repeats):
+        durations[name].append(microseconds)
     kernels = {}
     for name, times in durations.items():
         launches = len(times) // repeats
@@ -53,6 +60,13 @@ def kernel_times(call, device, repeats):
         kernels[name] = dict(launches=launches, us=sum(times) / repeats,
                              launch_us=[statistics.median(times[i::launches]) for i in range(launches)])  # fmt: skip
     return kernels
+
+
+def device_work(call, device, repeats):
+    """The kernels that one call() runs on ``device`` in all (``device_events``, averaged over ``repeats`` calls): how
+    many, and their microseconds."""
+    events = device_events(call, device, repeats)
+    return dict(kernels=len(events) / repeats, kernel_us=sum(microseconds for _, microseconds in events) / repeats)
 
 
 def host_times(call, device, repeats):

@@ -17,6 +17,7 @@ from modeling_plat import paper_p_mix
 from modeling_plat.plap_dispatch import plap_attention
 
 from .attention import ATTENTION_SHAPES
+from .kernels import device_work, host_times
 from .measure import (ROOT, TOLERANCE, backend_spy, bf16_attention_inputs, error_fields, paired_ratio, peak_memory_mib,
                       relative_error, side_by_side, synchronize, timed, to_device)  # fmt: skip
 
@@ -26,6 +27,8 @@ COMPILE_PRESETS = ("plat-ptb-tiny", "plat-llama-tiny")
 # kernel's exact pass alone) and a causal 2k (first passes, then exact passes).
 COMPILED_ATTENTION_SHAPES = {"paper-lm": ATTENTION_SHAPES["paper-lm"], "2k": (2, 4, 2048, 64, True)}
 CUDA_GRAPHS_PRESET = "plat-ptb-tiny"
+# Steps over which a training step's host time and its kernels are measured, after the timed rounds.
+HOST_REPEATS = 3
 
 
 def training_step(model, optimizer, inputs, device, cuda_graphs=False):
@@ -79,8 +82,15 @@ def train_pair(pair, batch_size, device, warmup, repeats, log):
         row = dict(name=name, pair=pair, batch=batch_size, parameters=sum(p.numel() for p in model.parameters()),
                    baseline=baseline)  # fmt: skip
         row.update(step_row(results[name], steps[name], device, results[baseline]))
+        if "error" not in row:
+            try:
+                row.update(host=host_times(steps[name], device, HOST_REPEATS),
+                           work=device_work(steps[name], device, HOST_REPEATS))  # fmt: skip
+            except Exception as error:
+                row.update(error_fields(error))
         log(f"train {name}: {row.get('step_ms', row.get('error'))} ms, {row.get('ratio')} x {baseline} (paired; "
-            f"range {row.get('ratio_range')}), backends {row.get('backends')}")
+            f"range {row.get('ratio_range')}), host {row.get('host', {}).get('call_us')} us, device work "
+            f"{row.get('work')}, backends {row.get('backends')}")
         rows.append(row)
     for model in models.values():
         model.cpu()

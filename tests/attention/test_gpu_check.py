@@ -306,6 +306,9 @@ def test_train_section_on_cpu():
     assert plat["step_ms"] > 0 and plat["baseline"] == "softmax-ptb-tiny" and softmax["ratio"] == 1.0
     low, high = plat["ratio_range"]
     assert 0 < low <= plat["ratio"] <= high and softmax["ratio_range"] == (1.0, 1.0)
+    # Where a step's time goes: the host's part, and (on a CPU) the operators it runs, more for p-LaT's backends.
+    assert plat["host"]["call_us"] > 0 and plat["host"]["launches"] == 0  # no Triton launch on a CPU
+    assert plat["work"]["kernels"] > softmax["work"]["kernels"] > 0 and plat["work"]["kernel_us"] > 0
     assert set(plat["backends"]) <= {"eager", "tiled"} and sum(plat["backends"].values()) >= 4  # every layer
     assert softmax["backends"] == {}  # p = 2: SDPA, no choice made
 
