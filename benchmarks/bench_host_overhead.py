@@ -8,10 +8,12 @@ backend's host code on CPU tensors with every kernel launch replaced by a no-op,
 short length (so that the auxiliary tensor operations cost what their launches cost, not their arithmetic), and
 prints per call, forward and forward + backward:
 - the host time of the eager path (``FusedOp`` calling the backend's functions through a plain autograd Function),
-  of the same call through torch.library's custom-op dispatcher (what compiled graphs call), and of SDPA at the same
-  shape, interleaved, median of ``--repeats`` rounds of ``--calls`` calls;
+  of the same call through torch.library's custom-op dispatcher (what compiled graphs call), of SDPA at the same
+  shape, and of one attention layer as a model runs it (PlatAttention: the projections, whose views q, k and v are,
+  around the attention) with the paper's p and with p = 2 (SDPA), interleaved, median of ``--repeats`` rounds of
+  ``--calls`` calls;
 - the Triton launches and the ATen operations (allocations and views included; most are a kernel launch on a GPU)
-  per call, counted exactly;
+  per call, counted exactly, and among them the copies into another layout;
 - the Python time of one launch through ``triton_launcher.BoundLaunches`` (its key, lookup and arguments), the
   compiled kernel a no-op: on a GPU Triton's own launcher adds its time to this.
 """
@@ -28,22 +30,25 @@ import torch.nn.functional as F  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from machine import facts_label, machine_facts  # noqa: E402
-from modeling_plat import plap_attention  # noqa: E402
+from modeling_plat import PlatConfig, plap_attention  # noqa: E402
 from modeling_plat import plap_attention_triton as triton_module  # noqa: E402
 from modeling_plat import triton_launcher  # noqa: E402
+from modeling_plat.modeling_plat import PlatAttention  # noqa: E402
 
 P_MIX = (1.5, 2.5)
 
 
 class OpCounter(TorchDispatchMode):
-    """Counts the ATen operations that run (each a kernel launch on a GPU), views and metadata ones included."""
+    """Counts the ATen operations that run (each a kernel launch on a GPU), views and metadata ones included, and
+    among them the copies of a tensor into a new layout (``contiguous``, ``reshape`` of a strided view)."""
 
     def __init__(self):
         super().__init__()
-        self.count = 0
+        self.count = self.copies = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.count += 1
+        self.copies += func is torch.ops.aten.clone.default
         return func(*args, **(kwargs or {}))
 
 
@@ -85,7 +90,27 @@ def calls(q, k, v, p, grad):
         "plat (eager path)": plat(False),
         "plat (custom-op dispatcher)": plat(True),
         "sdpa": (sdpa_forward, lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)),
+        "plat layer (PlatAttention)": layer_calls(q.shape, p, "triton"),
+        "p = 2 layer (SDPA)": layer_calls(q.shape, 2.0, "auto"),
     }
+
+
+def layer_calls(shape, p, backend):
+    """(forward, forward + backward) of one PlatAttention layer of B x N tokens of H * d features: its projections
+    around the attention, whose q, k and v are views of them, as in a model."""
+    batch, heads, length, head_dim = shape
+    config = PlatConfig(hidden_size=heads * head_dim, num_attention_heads=heads, num_hidden_layers=1, plap_p=p,
+                        plap_backend=backend)  # fmt: skip
+    torch.manual_seed(0)
+    attention = PlatAttention(config, 0, is_causal=True)
+    hidden = torch.randn(batch, length, heads * head_dim, requires_grad=True)
+    grad = torch.ones_like(hidden)
+
+    def forward():
+        with torch.no_grad():
+            return attention(hidden)[0]
+
+    return forward, lambda: attention(hidden)[0].backward(grad)
 
 
 class NoOpKernel:
@@ -160,7 +185,7 @@ def main(argv=None):
                 with OpCounter() as counter:
                     fn()
                 counting[0] = False
-                counts.append(f"{len(launches)} + {counter.count}")
+                counts.append(f"{len(launches)} + {counter.count} ({counter.copies} copies)")
             line += f"   Triton launches + ATen ops: fwd {counts[0]}, fwd+bwd {counts[1]}"
         print(line)
     launches.clear()

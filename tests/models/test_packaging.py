@@ -18,7 +18,8 @@ ROOT = Path(__file__).resolve().parents[2]
 MODELING_RUNTIME = {"torch", "transformers", "safetensors", "numpy", "triton"}
 # The training side and the dependencies only it brings (pyyaml and tokenizers come with transformers itself).
 TRAINING_SIDE = ("plat_train", "datasets", "accelerate", "treebank", "matplotlib", "scipy")
-SOURCE_FOLDERS = ("modeling_plat", "plat_train", "experiments", "benchmarks", "tools/kernels")
+SOURCE_FOLDERS = ("modeling_plat", "plat_train", "experiments", "benchmarks", "benchmarks/gpu_sections",
+                  "tools/kernels")
 
 
 def module_name(path):
