@@ -52,14 +52,14 @@ def optimizer_step(model, inputs, device):
     return training_step(model, torch.optim.AdamW(model.parameters(), lr=1e-4), inputs, device)
 
 
-def step_row(result, step, device, baseline=None):
+def step_row(result, step, device, baseline=None, ratio="ratio"):
     """A timed step's fields from its ``side_by_side`` result: the median step, the peak memory of one more step,
     the backends chosen and, against the ``baseline``'s result, ``paired_ratio`` as ``ratio`` and ``ratio_range``."""
     if "error" in result:
         return dict(result)
     row = dict(step_ms=statistics.median(result["seconds"]) * 1e3, backends=dict(result["backends"]))
     if baseline is not None and "seconds" in baseline:
-        row["ratio"], row["ratio_range"] = paired_ratio(result["seconds"], baseline["seconds"])
+        row[ratio], row["ratio_range"] = paired_ratio(result["seconds"], baseline["seconds"])
     try:
         row["peak_mib"] = peak_memory_mib(step, device)
     except Exception as error:
@@ -143,10 +143,7 @@ def compiled_step_row(preset, compiled, eager, inputs, device, warmup, repeats):
     if "backends" in results["compiled"]:
         results["compiled"]["backends"].update(chosen)  # chosen while tracing, in the first call
     row.update(eager=step_row(results["eager"], eager_step, device), first_call_s=first_s, **dynamo_counts())
-    timing = step_row(results["compiled"], step, device, results["eager"])
-    if "ratio" in timing:
-        timing["ratio_to_eager"], timing["ratio_range"] = timing.pop("ratio"), timing.pop("ratio_range")
-    row.update(timing)
+    row.update(step_row(results["compiled"], step, device, results["eager"], ratio="ratio_to_eager"))
     return row
 
 
