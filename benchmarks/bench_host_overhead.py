@@ -11,7 +11,8 @@ prints per call, forward and forward + backward:
   of the same call through torch.library's custom-op dispatcher (what compiled graphs call), of SDPA at the same
   shape, and of one attention layer as a model runs it (PlatAttention: the projections, whose views q, k and v are,
   around the attention) with the paper's p and with p = 2 (SDPA), interleaved, median of ``--repeats`` rounds of
-  ``--calls`` calls;
+  ``--calls`` calls (SDPA's arithmetic and the projections' are real CPU work, and in their times; only the Triton
+  kernels are no-ops);
 - the Triton launches and the ATen operations (allocations and views included; most are a kernel launch on a GPU)
   per call, counted exactly, and among them the copies into another layout;
 - the Python time of one launch through ``triton_launcher.BoundLaunches`` (its key, lookup and arguments), the
