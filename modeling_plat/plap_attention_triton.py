@@ -34,8 +34,10 @@ is tf32x3, v_x.v_y of D2 included; for half inputs the float32 operand is the di
 V_q (``triton_tiles.exact_dot``). Masks: causal (bottom-right aligned) and key padding (a boolean mask broadcastable
 to (B, 1, 1, Nk)); the dispatcher routes other masks to the tiled backend. Packed rows (``document_ids``, Nq == Nk)
 are varlen: each fixed block's loop visits only the span of positions its documents cover. Lengths need not be
-multiples of the blocks. The wrapper makes q, k and v contiguous once, so that the kernels compute offsets from the
-shapes. No gradient for p (static per head).
+multiples of the blocks. The kernels take q, k, v and the output by their (batch, head, row) strides, columns
+contiguous: the views of a model's projections, tokens-major, reach them with no copy, the output takes the queries'
+order (so that a model's reshape of it is a view), the gradients their inputs' layouts, and dU arrives in the output's
+(``kernel_layout``, ``output_like``). No gradient for p (static per head).
 
 What a GPU can run is decided before any launch, by ``triton_unsupported_reason``: the Triton version, the compute
 capability, dtypes, head sizes per dtype and architecture (so that the tiles fit its shared memory), mask shapes and
@@ -129,7 +131,8 @@ def _input_reason(query, key, value, attn_mask, document_ids, max_p):
         return f"the mask is on {attn_mask.device}, the inputs on {query.device}"
     if document_ids is not None and document_ids.device != query.device:
         return f"document_ids are on {document_ids.device}, the inputs on {query.device}"
-    # The kernels take contiguous tensors: rows * d offsets inside one (batch, head) slab are int32.
+    # Offsets inside one (batch, head) slab are int32: rows * d where the rows are contiguous, as ``kernel_layout``
+    # makes them where their strides would pass that.
     extent = max(query.shape[2], key.shape[2]) * max(query.shape[-1], value.shape[-1])
     if extent > MAX_OFFSET:
         return "one (batch, head) of the inputs spans more than 2^31 elements: int32 offsets would overflow"
@@ -206,15 +209,17 @@ def _slab_blocks(kernel, config, num_queries, num_keys):
 
 
 @functools.lru_cache(maxsize=1024)
-def _launch_plan(kernel, config, shape, p, is_causal, window, has_key_mask, has_documents, euler, eps, exact_only,
-                 flag_block):  # fmt: skip
+def _launch_plan(kernel, config, shape, strides, p, is_causal, window, has_key_mask, has_documents, euler, eps,
+                 exact_only, flag_block):  # fmt: skip
     """(grid, scalar arguments, meta, PlanKey) of each launch of ``kernel`` (``launch_groups``), its first pass then its
-    exact pass (or that alone): what the shapes settle, computed once per shape (no key for symbolic sizes).
-    ``shape`` is (B, H, Nq, Nk, d, dv), ``window`` the sliding window's size (0: none); a backward kernel's
-    ``flag_block`` is the size of the forward's blocks (dq) or key tiles (dk/dv) that its flags cover."""
+    exact pass (or that alone): what the shapes and layouts settle, computed once per shape (no key for symbolic
+    sizes). ``shape`` is (B, H, Nq, Nk, d, dv), ``strides`` those of q, k, v and the output (``kernel_strides``),
+    ``window`` the sliding window's size (0: none); a backward kernel's ``flag_block`` is the size
+    of the forward's blocks (dq) or key tiles (dk/dv) that its flags cover."""
     batch, heads, num_queries, num_keys, head_dim, value_dim = shape
     blocks = _slab_blocks(kernel, config, num_queries, num_keys)
-    keyed = all(type(size) is int for size in shape)
+    slab_strides, (q_rows, k_rows, v_rows, out_rows) = strides
+    keyed = all(type(size) is int for size in (*shape, *slab_strides))
     plan = []
     for first, end, power, low, high, high_heads in launch_groups(p, exact_only):
         meta = dict(HEAD_DIM=head_dim, VALUE_DIM=value_dim, BLOCK_D=padded_head_size(head_dim),
@@ -222,11 +227,12 @@ def _launch_plan(kernel, config, shape, p, is_causal, window, has_key_mask, has_
                     POWER=power, IS_CAUSAL=is_causal, HAS_WINDOW=window > 0,
                     HAS_KEY_MASK=has_key_mask, HAS_DOCUMENTS=has_documents, EULER=euler, HEAD_CHUNK=config.head_chunk,
                     num_warps=config.num_warps,
-                    num_stages=config.num_stages, enable_fp_fusion=FP_FUSION)  # fmt: skip
+                    num_stages=config.num_stages, enable_fp_fusion=FP_FUSION, Q_ROW_STRIDE=q_rows,
+                    K_ROW_STRIDE=k_rows, V_ROW_STRIDE=v_rows, OUT_ROW_STRIDE=out_rows)  # fmt: skip
         if flag_block is not None:
             meta.update(FLAG_BLOCK=flag_block, SUMS_BY_MATMUL=bool(config.sums_by_matmul))
         sizes = (first, end - first, heads, num_queries, num_keys, window, LOG2_E / math.sqrt(head_dim),
-                 (low - 2) / 2, (high - 2) / 2, high_heads, eps)  # fmt: skip
+                 (low - 2) / 2, (high - 2) / 2, high_heads, eps, *slab_strides)  # fmt: skip
         grid = (blocks * batch * (end - first),)
         if exact_only:
             passes = [dict(meta, PASS=int(EXACT_ALONE))]
@@ -239,15 +245,63 @@ def _launch_plan(kernel, config, shape, p, is_causal, window, has_key_mask, has_
     return tuple(plan)
 
 
-def _launches(kernel, config, query, key, value, tensors, p, is_causal, window, has_key_mask, has_documents, euler,
-              eps, exact_only, flag_block=None):  # fmt: skip
+def _launches(kernel, config, query, key, value, out, tensors, p, is_causal, window, has_key_mask, has_documents,
+              euler, eps, exact_only, flag_block=None):  # fmt: skip
     """The launches of ``kernel`` on these tensors (``_launch_plan``)."""
     shape = (*query.shape[:3], key.shape[2], query.shape[3], value.shape[3])
+    strides = kernel_strides(query, key, value, out)
     flags = (tuple(p), is_causal, window, has_key_mask, has_documents, euler, eps, exact_only, flag_block)
     # Symbolic sizes (torch.compile with dynamic shapes) are not hashable: no cache then.
-    plan = _launch_plan if all(type(size) is int for size in shape) else _launch_plan.__wrapped__
+    keyed = all(type(size) is int for size in (*shape, *strides[0]))
+    plan = _launch_plan if keyed else _launch_plan.__wrapped__
     return [Launch(kernel, grid, (*tensors, *sizes), meta, len(tensors), key)
-            for grid, sizes, meta, key in plan(kernel, config, shape, *flags)]  # fmt: skip
+            for grid, sizes, meta, key in plan(kernel, config, shape, strides, *flags)]  # fmt: skip
+
+
+def kernel_strides(*tensors):
+    """The strides of (B, H, N, C) tensors, in elements, as the kernels take them (``triton_tiles.slab_rows``): each
+    one's batch and head strides, arguments, then each one's row stride, compile-time constants (d or H * d, fixed by
+    a model's layout, with no length in them; C for a single row), so that the row offsets compile as they did when
+    the rows were contiguous."""
+    return (tuple(stride for tensor in tensors for stride in tensor.stride()[:2]),
+            tuple(int(tensor.stride(2)) if tensor.shape[2] > 1 else tensor.shape[3] for tensor in tensors))  # fmt: skip
+
+
+def kernel_layout(tensor):
+    """``tensor`` (B, H, N, C) as the kernels take it: as it is where its columns are contiguous, its elements dense
+    (so that ``empty_like`` gives its gradient the same strides) and one (batch, head)'s rows within int32 offsets,
+    else a contiguous copy. The views of a model's projections, (B, N, H, C) transposed, qualify: no copy."""
+    return tensor if _strided_ok(tensor) else tensor.contiguous()
+
+
+def output_like(query, value):
+    """The (B, H, Nq, dv) output, in the queries' order of heads and tokens: tokens-major, heads inside, for the
+    projections' views that models pass (so that their ``transpose(1, 2).reshape(B, N, H * dv)`` is a view), else
+    contiguous; contiguous too where tokens-major rows would pass int32 offsets."""
+    batch, heads, num_queries, _ = query.shape
+    value_dim = value.shape[-1]
+    if query.stride(1) < query.stride(2) and (num_queries - 1) * heads * value_dim + value_dim <= MAX_OFFSET:
+        return query.new_empty(batch, num_queries, heads, value_dim).transpose(1, 2)
+    return query.new_empty(batch, heads, num_queries, value_dim)
+
+
+def in_layout_of(out, grad_out):
+    """``grad_out`` with the strides of ``out`` (the kernels read both by the output's, ``kernel_strides``): as it is
+    where they match, as a model's backward passes it, else copied."""
+    if all(a == b for size, a, b in zip(out.shape, out.stride(), grad_out.stride()) if size > 1):
+        return grad_out
+    return torch.empty_like(out).copy_(grad_out)
+
+
+def _strided_ok(tensor):
+    if tensor.stride(-1) != 1 or (tensor.shape[2] - 1) * tensor.stride(2) + tensor.shape[3] > MAX_OFFSET:
+        return False
+    inside = 1  # dense: from the innermost dim out, each stride is the number of elements inside it (size-1 dims aside)
+    for stride, size in sorted((stride, size) for size, stride in zip(tensor.shape, tensor.stride()) if size > 1):
+        if stride != inside:
+            return False
+        inside *= size
+    return True
 
 
 def _masks(norms, key_keep, documents):
@@ -262,21 +316,26 @@ def _masks(norms, key_keep, documents):
 def value_norms(value):
     """(..., N) float32 norms of the rows of ``value`` (..., N, C), from one read of them; the kernels square them
     (``triton_tiles.squared_norms`` and ``distances``), each square within about 1.5 u of the float32 sum of its exact
-    squares (docs/numerics.md)."""
-    return torch.linalg.vector_norm(value, dim=-1, dtype=torch.float32)
+    squares (docs/numerics.md). Contiguous whatever the values' layout, as the kernels index them: a reduction's
+    result follows its input's layout, so that a projection's view writes into a contiguous tensor."""
+    if value.is_contiguous():
+        return torch.linalg.vector_norm(value, dim=-1, dtype=torch.float32)
+    norms = value.new_empty(value.shape[:-1], dtype=torch.float32)
+    return torch.linalg.vector_norm(value, dim=-1, dtype=torch.float32, out=norms)
 
 
 def forward_launches(query, key, value, norms, key_keep, documents, out, lse, own_weight, exact_blocks, p,
                      is_causal, eps, euler, config, exact_only=False, window=0):  # fmt: skip
-    """The forward launches of contiguous inputs, the first pass then the exact one (``plap_forward_kernel``), or the
-    exact one alone (``exact_only``); ``key_keep`` is the (B, Nk) int8 padding mask or None, ``documents`` the
-    ``document_table`` of packed rows or None, ``norms`` the (B, H, Nk) float32 norms of the values,
-    ``exact_blocks`` two int32 tensors of ``exact_block_counts(...)`` elements (not read with ``exact_only``),
-    ``window`` the size of a causal sliding window (keys in (x - window, x] of the query at key position x; 0: none)."""
+    """The forward launches, the first pass then the exact one (``plap_forward_kernel``), or the exact one alone
+    (``exact_only``); q, k, v and ``out`` (B, H, N, C) in any ``kernel_layout``, ``key_keep`` the (B, Nk) int8
+    padding mask or None, ``documents`` the ``document_table`` of packed rows or None, ``norms`` the (B, H, Nk)
+    float32 norms of the values, ``exact_blocks`` two int32 tensors of ``exact_block_counts(...)`` elements (not read
+    with ``exact_only``), ``window`` the size of a causal sliding window (keys in (x - window, x] of the query at key
+    position x; 0: none)."""
     tensors = (query, key, value, norms, *_masks(norms, key_keep, documents), out, lse, own_weight,
                *exact_blocks)  # fmt: skip
     flags = (p, is_causal, window, key_keep is not None, documents is not None, euler, eps, exact_only)
-    return _launches(plap_forward_kernel, config.fwd, query, key, value, tensors, *flags)
+    return _launches(plap_forward_kernel, config.fwd, query, key, value, out, tensors, *flags)
 
 
 def exact_block_counts(query, key, config):
@@ -293,13 +352,14 @@ def backward_launches(
     """The dq launches, then the dk/dv launches, each kernel's first pass then its exact one (or that alone, as in
     ``forward_launches``). dq writes the row statistics ``delta`` and (euler) ``own_dot``, (B, H, Nq) float32, and
     each query's own-value part of dv to ``grad_v_own``, (B, H, Nq, dv) float32, which the dk/dv kernel adds to the
-    key side as it stores ``grad_v``; ``exact_blocks`` are the forward's flags (``forward_launches``)."""
+    key side as it stores ``grad_v``; ``exact_blocks`` are the forward's flags (``forward_launches``). ``grad_q``,
+    ``grad_k`` and ``grad_v`` have the strides of q, k and v, ``grad_out`` those of ``out`` (``in_layout_of``)."""
     inputs = (query, key, value, norms, *_masks(norms, key_keep, documents), grad_out, lse, delta, own_dot)
     flags = (p, is_causal, window, key_keep is not None, documents is not None, euler, eps, exact_only)
     query_blocks, key_tiles = exact_blocks
-    dq = (plap_dq_kernel, config.dq, query, key, value, (*inputs, out, own_weight, grad_q, grad_v_own,
-                                                              query_blocks))  # fmt: skip
-    dkdv = (plap_dkdv_kernel, config.dkdv, query, key, value, (*inputs, grad_v_own, grad_k, grad_v, key_tiles))
+    dq = (plap_dq_kernel, config.dq, query, key, value, out, (*inputs, out, own_weight, grad_q, grad_v_own,
+                                                                   query_blocks))  # fmt: skip
+    dkdv = (plap_dkdv_kernel, config.dkdv, query, key, value, out, (*inputs, grad_v_own, grad_k, grad_v, key_tiles))
     return _launches(*dq, *flags, config.fwd.block_m) + _launches(*dkdv, *flags, config.fwd.block_n)
 
 
@@ -376,7 +436,7 @@ def forward_plan(query, key, value, key_keep, documents, p, is_causal, window, e
     the row statistics (``_row_stats``), the values' norms and the exact passes' flags (``_exact_flags``); ``alone``:
     each kernel runs its exact pass alone (``exact_pass_alone``)."""
     batch, heads, num_queries, _ = query.shape
-    out = query.new_empty(batch, heads, num_queries, value.shape[-1])  # (B, H, Nq, dv)
+    out = output_like(query, value)
     row_stats = torch.empty(1 + euler, batch, heads, num_queries, device=query.device, dtype=torch.float32)
     norms = value_norms(value)  # (B, H, Nk)
     exact_blocks = _exact_flags(query, key, config, alone)
@@ -415,7 +475,7 @@ def _fused_forward(
 
 def _fake_forward(query, key, value, key_keep, documents, p, is_causal, window, eps, euler, config):
     batch, heads, num_queries, _ = query.shape
-    return (query.new_empty(batch, heads, num_queries, value.shape[-1]),
+    return (output_like(query, value),
             query.new_empty(1 + euler, batch, heads, num_queries, dtype=torch.float32),
             query.new_empty(value.shape[:3], dtype=torch.float32),
             *_exact_flags(query, key, _unflat(config), exact_pass_alone(query, key)))  # fmt: skip
@@ -457,7 +517,7 @@ def _fused_backward(
     config: list[int],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``backward_plan``'s gradients, its launches run."""
-    grads, launches = backward_plan(grad_out.contiguous(), query, key, value, key_keep, documents, out, row_stats,
+    grads, launches = backward_plan(in_layout_of(out, grad_out), query, key, value, key_keep, documents, out, row_stats,
                                     norms, query_blocks, key_tiles, p, is_causal, window, eps, euler, _unflat(config),
                                     exact_pass_alone(query, key))  # fmt: skip
     for launch in launches:
@@ -503,7 +563,7 @@ def plap_attention_triton(
         key_keep = attn_mask.reshape(_key_padding_shape(attn_mask)).expand(batch, num_keys)
         key_keep = key_keep.to(torch.int8).contiguous()  # (B, Nk)
     documents = None if document_ids is None else document_table(document_ids)
-    query, key, value = (tensor.contiguous() for tensor in (query, key, value))  # offsets follow from shapes
+    query, key, value = (kernel_layout(tensor) for tensor in (query, key, value))
     # A window as long as the keys leaves every causal pair: no window then.
     window = sliding_window if sliding_window is not None and sliding_window < key.shape[2] else 0
     out, *_ = _fused(query, key, value, key_keep, documents, [float(v) for v in p], is_causal, window, float(eps),

@@ -21,7 +21,7 @@ from .triton_tiles import (
     EXACT_ALONE, EXACT_PASS, FIRST_PASS, FLOAT32_DOT, LN_2, any_set, class_exponent, close_bounds, distances,
     exact_dot, fixed_documents, float32_scalars, forward_flagged, jit, key_loop_bounds, load_rows, load_vector,
     masked_scores, pair_dot, per_query, power, program_ids, query_loop_bounds, row_ptrs, row_sums, row_sums_init,
-    runs_head, squared_norms, store_rows, tile_start, times_minus_two, tl,
+    rows_from, runs_head, slab_rows, squared_norms, store_rows, tile_start, times_minus_two, tl,
 )  # fmt: skip
 
 
@@ -74,12 +74,13 @@ def _tile_grads(q, k, query_side, key_side, bounds, grad_out, row_stats, V, rows
 def _query_side(slab, rows, V, Norms, GradOut, Lse, Delta, OwnDot, num_queries, num_keys, VALUE_DIM: tl.constexpr,
                 BLOCK_DV: tl.constexpr, LOAD_STATS: tl.constexpr, CHECK_ROWS: tl.constexpr):  # fmt: skip
     """What a backward tile needs of a block of queries besides q: own values [BM, BDV], their norms (not squared:
-    ``distances`` squares a loop tile's), dU [BM, BDV], the logsumexp, and (``LOAD_STATS``) the row statistics [BM]."""
+    ``distances`` squares a loop tile's), dU [BM, BDV], the logsumexp, and (``LOAD_STATS``) the row statistics [BM].
+    ``V`` and ``GradOut`` are the slab's rows (``slab_rows``)."""
     offset = num_keys - num_queries
     stats = slab * num_queries
-    v_query = load_rows(V + offset * VALUE_DIM, rows, num_queries, VALUE_DIM, BLOCK_DV, CHECK_ROWS)
+    v_query = load_rows(rows_from(V, offset), rows, num_queries, VALUE_DIM, BLOCK_DV, CHECK_ROWS)
     query_norms = load_vector(Norms + offset, rows, num_queries, 0.0, CHECK_ROWS)
-    grad_out = load_rows(GradOut + stats * VALUE_DIM, rows, num_queries, VALUE_DIM, BLOCK_DV, CHECK_ROWS)
+    grad_out = load_rows(GradOut, rows, num_queries, VALUE_DIM, BLOCK_DV, CHECK_ROWS)
     lse = load_vector(Lse + stats, rows, num_queries, float("inf"), CHECK_ROWS)
     delta = lse  # not read: the dq kernel computes its own (``_row_stats``)
     own_dot = lse
@@ -96,7 +97,7 @@ def _row_stats(Out, Delta, OwnDot, slab, rows, grad_out, v_query, num_queries, V
     euler subtracts the own-value part dU . v_x (its ``own_dot``), which the paper formulation never reads. Stored
     for the dkdv kernel, launched after, whose loops read every query's: by the pass that runs the block."""
     grad_out = grad_out.to(tl.float32)
-    out = load_rows(Out + slab * num_queries * VALUE_DIM, rows, num_queries, VALUE_DIM, grad_out.shape[1])
+    out = load_rows(Out, rows, num_queries, VALUE_DIM, grad_out.shape[1])
     delta = tl.sum(grad_out * out.to(tl.float32), 1)  # [BM]
     own_dot = delta
     if EULER:
@@ -124,14 +125,14 @@ def _dkdv_tile(grad_k, grad_v, grad_dist_sum, keys, queries, head, sizes, start,
     slab, Q, V, Norms, GradOut, Lse, Delta, OwnDot, masks = queries
     num_queries, num_keys = sizes
     rows = start + tl.arange(0, BLOCK_M)  # [BM]
-    q = load_rows(Q + slab * num_queries * HEAD_DIM, rows, num_queries, HEAD_DIM, grad_k.shape[1], MASKED)  # [BM, BD]
+    q = load_rows(Q, rows, num_queries, HEAD_DIM, grad_k.shape[1], MASKED)  # [BM, BD]
     v_query, query_norms, grad_out, lse, delta, own_dot = _query_side(
         slab, rows, V, Norms, GradOut, Lse, Delta, OwnDot, num_queries, num_keys, VALUE_DIM=VALUE_DIM,
         BLOCK_DV=grad_v.shape[1], LOAD_STATS=True, CHECK_ROWS=MASKED,
     )  # fmt: skip
     if CHUNK:
-        tile_q = (Q + slab * num_queries * HEAD_DIM, rows, num_queries)
-        tile_grad_out = (GradOut + slab * num_queries * VALUE_DIM, rows, num_queries)
+        tile_q = (Q, rows, num_queries)
+        tile_grad_out = (GradOut, rows, num_queries)
     else:
         tile_q, tile_grad_out = q, grad_out
     weights, grad_scores, grad_dist = _tile_grads(
@@ -153,10 +154,12 @@ def plap_dkdv_kernel(
     Q, K, V, Norms, KeyKeep, Documents, GradOut, Lse, Delta, OwnDot, GradVOwn, GradK, GradV, KeyTiles,
     head_start, run_heads, num_heads, num_queries, num_keys, window, scale_log2, exponent_low, exponent_high,
     high_heads, eps,
+    stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_ob, stride_oh,
     HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, POWER: tl.constexpr, IS_CAUSAL: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_KEY_MASK: tl.constexpr, HAS_DOCUMENTS: tl.constexpr, EULER: tl.constexpr,
     PASS: tl.constexpr, FLAG_BLOCK: tl.constexpr, SUMS_BY_MATMUL: tl.constexpr, HEAD_CHUNK: tl.constexpr,
+    Q_ROW_STRIDE: tl.constexpr, K_ROW_STRIDE: tl.constexpr, V_ROW_STRIDE: tl.constexpr, OUT_ROW_STRIDE: tl.constexpr,
 ):  # fmt: skip
     """A key block goes to the exact pass where the forward's exact pass flagged a key tile (FLAG_BLOCK keys) that
     holds any of its keys, and to the first pass otherwise. HEAD_CHUNK as in ``plap_forward_kernel``: the block's
@@ -171,19 +174,25 @@ def plap_dkdv_kernel(
         if forward_flagged(KeyTiles, pid_n * BLOCK_N, num_keys, BLOCK_N, FLAG_BLOCK) != (PASS == EXACT_PASS):
             return
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
-    V += slab * num_keys * VALUE_DIM
+    key_strides = (stride_kb, stride_kh, K_ROW_STRIDE)
+    value_strides = (stride_vb, stride_vh, V_ROW_STRIDE)
+    K = slab_rows(K, slab, num_heads, key_strides)
+    V = slab_rows(V, slab, num_heads, value_strides)
     Norms += slab * num_keys
     key_keep_row = KeyKeep + (slab // num_heads) * num_keys
     if HEAD_CHUNK:
-        k = (K + slab * num_keys * HEAD_DIM, cols, num_keys)
+        k = (K, cols, num_keys)
         values = 0.0  # distances and G read them from V; loaded after the loop
     else:
-        k = load_rows(K + slab * num_keys * HEAD_DIM, cols, num_keys, HEAD_DIM, BLOCK_D)  # [BN, BD]
+        k = load_rows(K, cols, num_keys, HEAD_DIM, BLOCK_D)  # [BN, BD]
         values = load_rows(V, cols, num_keys, VALUE_DIM, BLOCK_DV)  # [BN, BDV]
     sq_keys_eps = squared_norms(Norms, cols, num_keys) + eps  # [BN]
     docs, span = fixed_documents(Documents if HAS_DOCUMENTS else None, slab, num_heads, cols, num_keys,
                                  HAS_DOCUMENTS)
     keys = (cols, k, values, sq_keys_eps, close_bounds(sq_keys_eps, eps, 1))
+    Q = slab_rows(Q, slab, num_heads, (stride_qb, stride_qh, Q_ROW_STRIDE))
+    # dU takes the output's layout (plap_attention_triton.in_layout_of)
+    GradOut = slab_rows(GradOut, slab, num_heads, (stride_ob, stride_oh, OUT_ROW_STRIDE))
     queries = (slab, Q, V, Norms, GradOut, Lse, Delta, OwnDot, (key_keep_row, docs, window))
     sizes = (num_queries, num_keys)
     plain, masked = query_loop_bounds(pid_n, num_queries, num_keys, window, span, BLOCK_M, BLOCK_N, IS_CAUSAL,
@@ -191,7 +200,7 @@ def plap_dkdv_kernel(
     head = (scale_log2, exponent, eps)
     grad_k = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)  # [BN, BD]
     grad_v = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)  # [BN, BDV], without its v_y term until after the loop
-    grad_dist_sum = row_sums_init(BLOCK_N, V.dtype.element_ty, SUMS_BY_MATMUL)
+    grad_dist_sum = row_sums_init(BLOCK_N, V[0].dtype.element_ty, SUMS_BY_MATMUL)
     for phase in tl.static_range(2):  # the plain tiles (all pairs allowed, off the diagonal), then the masked ones
         tiles = plain if phase == 0 else masked
         for index in range(0, tiles[0]):
@@ -208,10 +217,12 @@ def plap_dkdv_kernel(
     # The dq kernel, launched before, left each query's own-value part in float32 (the keys at or after the offset
     # are queries' values); dv is stored once, in the values' dtype.
     offset = num_keys - num_queries
-    own_ptrs, col_in = row_ptrs(GradVOwn + slab * num_queries * VALUE_DIM, cols - offset, VALUE_DIM, BLOCK_DV)
+    own_ptrs, col_in = row_ptrs((GradVOwn + slab * num_queries * VALUE_DIM, VALUE_DIM), cols - offset, VALUE_DIM,
+                                BLOCK_DV)  # fmt: skip
     grad_v += tl.load(own_ptrs, mask=((cols >= offset) & (cols < num_keys))[:, None] & col_in, other=0.0)
-    store_rows(GradK + slab * num_keys * HEAD_DIM, cols, num_keys, grad_k * (scale_log2 * LN_2), HEAD_DIM)
-    store_rows(GradV + slab * num_keys * VALUE_DIM, cols, num_keys, grad_v, VALUE_DIM)
+    # dK and dV take the layouts of K and V (plap_attention_triton.kernel_layout)
+    store_rows(slab_rows(GradK, slab, num_heads, key_strides), cols, num_keys, grad_k * (scale_log2 * LN_2), HEAD_DIM)
+    store_rows(slab_rows(GradV, slab, num_heads, value_strides), cols, num_keys, grad_v, VALUE_DIM)
 
 
 # ------------------------------------------------------------------------------------------------ dQ
@@ -247,10 +258,12 @@ def plap_dq_kernel(
     Q, K, V, Norms, KeyKeep, Documents, GradOut, Lse, Delta, OwnDot, Out, OwnWeight, GradQ, GradVOwn, QueryBlocks,
     head_start, run_heads, num_heads, num_queries, num_keys, window, scale_log2, exponent_low, exponent_high,
     high_heads, eps,
+    stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_ob, stride_oh,
     HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, POWER: tl.constexpr, IS_CAUSAL: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_KEY_MASK: tl.constexpr, HAS_DOCUMENTS: tl.constexpr, EULER: tl.constexpr,
     PASS: tl.constexpr, FLAG_BLOCK: tl.constexpr, SUMS_BY_MATMUL: tl.constexpr, HEAD_CHUNK: tl.constexpr,
+    Q_ROW_STRIDE: tl.constexpr, K_ROW_STRIDE: tl.constexpr, V_ROW_STRIDE: tl.constexpr, OUT_ROW_STRIDE: tl.constexpr,
 ):  # fmt: skip
     """A query block goes to the exact pass where the forward flagged one of its query blocks (FLAG_BLOCK queries)
     that holds any of this block's queries, and to the first pass otherwise. HEAD_CHUNK as in
@@ -265,14 +278,18 @@ def plap_dq_kernel(
         if forward_flagged(QueryBlocks, pid_m * BLOCK_M, num_queries, BLOCK_M, FLAG_BLOCK) != (PASS == EXACT_PASS):
             return
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
-    K += slab * num_keys * HEAD_DIM
-    V += slab * num_keys * VALUE_DIM
+    query_strides = (stride_qb, stride_qh, Q_ROW_STRIDE)
+    Q = slab_rows(Q, slab, num_heads, query_strides)
+    K = slab_rows(K, slab, num_heads, (stride_kb, stride_kh, K_ROW_STRIDE))
+    V = slab_rows(V, slab, num_heads, (stride_vb, stride_vh, V_ROW_STRIDE))
+    # dU takes the output's layout (plap_attention_triton.in_layout_of)
+    GradOut = slab_rows(GradOut, slab, num_heads, (stride_ob, stride_oh, OUT_ROW_STRIDE))
     Norms += slab * num_keys
     key_keep_row = KeyKeep + (slab // num_heads) * num_keys
     if HEAD_CHUNK:  # the tiles read the block's rows from memory; v_query and grad_out are loaded again after the loop
-        q = (Q + slab * num_queries * HEAD_DIM, rows, num_queries)
+        q = (Q, rows, num_queries)
     else:
-        q = load_rows(Q + slab * num_queries * HEAD_DIM, rows, num_queries, HEAD_DIM, BLOCK_D)  # [BM, BD]
+        q = load_rows(Q, rows, num_queries, HEAD_DIM, BLOCK_D)  # [BM, BD]
     v_query, query_norms, grad_out, lse, _, _ = _query_side(
         slab, rows, V, Norms, GradOut, Lse, Delta, OwnDot, num_queries, num_keys, VALUE_DIM=VALUE_DIM,
         BLOCK_DV=BLOCK_DV, LOAD_STATS=False, CHECK_ROWS=True,
@@ -280,10 +297,11 @@ def plap_dq_kernel(
     v_query_m2 = 0.0 if HEAD_CHUNK else times_minus_two(v_query)
     sq_query_eps = query_norms * query_norms + eps
     bounds = close_bounds(sq_query_eps, eps, 0)
+    Out = slab_rows(Out, slab, num_heads, (stride_ob, stride_oh, OUT_ROW_STRIDE))
     delta, own_dot = _row_stats(Out, Delta, OwnDot, slab, rows, grad_out, v_query, num_queries, VALUE_DIM, EULER)
     docs, span = fixed_documents(Documents if HAS_DOCUMENTS else None, slab, num_heads, rows, num_keys,
                                  HAS_DOCUMENTS)
-    tile_grad_out = (GradOut + slab * num_queries * VALUE_DIM, rows, num_queries) if HEAD_CHUNK else grad_out
+    tile_grad_out = (GradOut, rows, num_queries) if HEAD_CHUNK else grad_out
     queries = (rows, q, v_query_m2, sq_query_eps, bounds, tile_grad_out, (lse, delta, own_dot))
     keys = (K, V, Norms, (key_keep_row, docs, window))
     sizes = (num_queries, num_keys)
@@ -292,7 +310,7 @@ def plap_dq_kernel(
     head = (scale_log2, exponent, eps)
     grad_q = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)  # [BM, BD]
     grad_v_own = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)  # [BM, BDV], the query side of the distances' dV
-    grad_dist_sum = row_sums_init(BLOCK_M, V.dtype.element_ty, SUMS_BY_MATMUL)
+    grad_dist_sum = row_sums_init(BLOCK_M, V[0].dtype.element_ty, SUMS_BY_MATMUL)
     for phase in tl.static_range(2):  # the plain tiles (all pairs allowed, off the diagonal), then the masked ones
         tiles = plain if phase == 0 else masked
         for index in range(0, tiles[0]):
@@ -308,10 +326,11 @@ def plap_dq_kernel(
             slab, rows, V, Norms, GradOut, Lse, Delta, OwnDot, num_queries, num_keys, VALUE_DIM=VALUE_DIM,
             BLOCK_DV=BLOCK_DV, LOAD_STATS=False, CHECK_ROWS=True,
         )  # fmt: skip
-    store_rows(GradQ + slab * num_queries * HEAD_DIM, rows, num_queries, grad_q * (scale_log2 * LN_2), HEAD_DIM)
+    GradQ = slab_rows(GradQ, slab, num_heads, query_strides)  # dQ takes the queries' layout
+    store_rows(GradQ, rows, num_queries, grad_q * (scale_log2 * LN_2), HEAD_DIM)
     # dv_x += 2 sum_y dL/dD2 (v_x - v_y), plus for euler the direct dU_x (1 - rowsum W_off).
     grad_v_own -= row_sums(grad_dist_sum)[:, None] * v_query.to(tl.float32)
     if EULER:
         own_weight = tl.load(OwnWeight + slab * num_queries + rows, mask=rows < num_queries, other=0.0)
         grad_v_own += own_weight[:, None] * grad_out.to(tl.float32)
-    store_rows(GradVOwn + slab * num_queries * VALUE_DIM, rows, num_queries, grad_v_own, VALUE_DIM)
+    store_rows((GradVOwn + slab * num_queries * VALUE_DIM, VALUE_DIM), rows, num_queries, grad_v_own, VALUE_DIM)

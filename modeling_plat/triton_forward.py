@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from .triton_tiles import (
     EXACT_PASS, FIRST_PASS, FLOAT32_DOT, MIN_SCORE, any_set, close_bounds, distances, fixed_documents, float32_scalars,
-    jit, key_loop_bounds, load_rows, load_vector, masked_scores, pair_dot, power, program_ids, runs_head, squared_norms,
-    store_rows, tile_start, times_minus_two, tl,
+    jit, key_loop_bounds, load_rows, load_vector, masked_scores, pair_dot, power, program_ids, runs_head, slab_rows,
+    squared_norms, store_rows, tile_start, times_minus_two, tl,
 )  # fmt: skip
 
 
@@ -70,10 +70,12 @@ def plap_forward_kernel(
     Q, K, V, Norms, KeyKeep, Documents, Out, Lse, OwnWeight, ExactBlocks, KeyTiles,
     head_start, run_heads, num_heads, num_queries, num_keys, window, scale_log2, exponent_low, exponent_high,
     high_heads, eps,
+    stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_ob, stride_oh,
     HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, POWER: tl.constexpr, IS_CAUSAL: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_KEY_MASK: tl.constexpr, HAS_DOCUMENTS: tl.constexpr, EULER: tl.constexpr,
     PASS: tl.constexpr, HEAD_CHUNK: tl.constexpr,
+    Q_ROW_STRIDE: tl.constexpr, K_ROW_STRIDE: tl.constexpr, V_ROW_STRIDE: tl.constexpr, OUT_ROW_STRIDE: tl.constexpr,
 ):  # fmt: skip
     """The first pass (``PASS``, ``triton_tiles.FIRST_PASS``) computes D2 + eps by the expansion alone; a block with a
     close pair in any tile stores nothing but its flag in ExactBlocks (int32 per block, written by every program), and
@@ -95,8 +97,9 @@ def plap_forward_kernel(
             return
     offset = num_keys - num_queries  # query i is the token at key position offset + i
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
-    K += slab * num_keys * HEAD_DIM
-    V += slab * num_keys * VALUE_DIM
+    Q = slab_rows(Q, slab, num_heads, (stride_qb, stride_qh, Q_ROW_STRIDE))
+    K = slab_rows(K, slab, num_heads, (stride_kb, stride_kh, K_ROW_STRIDE))
+    V = slab_rows(V, slab, num_heads, (stride_vb, stride_vh, V_ROW_STRIDE))
     Norms += slab * num_keys
     KeyTiles += slab * tl.cdiv(num_keys, BLOCK_N)
     if PASS == FIRST_PASS:  # the exact pass sets the flags of the key tiles where it meets close pairs
@@ -104,10 +107,10 @@ def plap_forward_kernel(
             tl.store(KeyTiles + tile, 0)
     stats = slab * num_queries  # Lse and OwnWeight are (B, H, Nq)
     if HEAD_CHUNK:  # distances reads the values from V; euler loads them after the loop
-        q = (Q + slab * num_queries * HEAD_DIM, rows, num_queries)
+        q = (Q, rows, num_queries)
         v_query = 0.0
     else:
-        q = load_rows(Q + slab * num_queries * HEAD_DIM, rows, num_queries, HEAD_DIM, BLOCK_D)  # [BM, BD]
+        q = load_rows(Q, rows, num_queries, HEAD_DIM, BLOCK_D)  # [BM, BD]
         v_query = load_rows(V, rows + offset, num_keys, VALUE_DIM, BLOCK_DV)  # [BM, BDV]
     sq_query_eps = squared_norms(Norms + offset, rows, num_queries) + eps  # [BM]
     docs, span = fixed_documents(Documents if HAS_DOCUMENTS else None, slab, num_heads, rows, num_keys,
@@ -151,7 +154,8 @@ def plap_forward_kernel(
             v_query = load_rows(V, rows + offset, num_keys, VALUE_DIM, BLOCK_DV)  # [BM, BDV]
         out += own_weight[:, None] * v_query.to(tl.float32)
         tl.store(OwnWeight + stats + rows, own_weight, mask=row_in)
-    store_rows(Out + slab * num_queries * VALUE_DIM, rows, stored_rows, out, VALUE_DIM)
+    Out = slab_rows(Out, slab, num_heads, (stride_ob, stride_oh, OUT_ROW_STRIDE))
+    store_rows(Out, rows, stored_rows, out, VALUE_DIM)
     # In log2 units; +inf on fully masked rows makes the backward's exp2(s - lse) exactly 0 there.
     lse = row_max + tl.log2(tl.where(valid, row_sum, 1.0))
     tl.store(Lse + stats + rows, tl.where(valid, lse, float("inf")), mask=row_in)

@@ -108,17 +108,37 @@ def float32_scalars(scale_log2, exponent_low, exponent_high, eps):
 
 
 @jit
-def row_ptrs(ptr, rows, COLS: tl.constexpr, BLOCK_COLS: tl.constexpr):
-    """Pointers and mask of rows of a contiguous (rows, COLS) matrix, padded to BLOCK_COLS columns."""
-    cols = tl.arange(0, BLOCK_COLS)
-    return ptr + rows[:, None] * COLS + cols[None, :], cols[None, :] < COLS
+def slab_rows(ptr, slab, num_heads, strides):
+    """The rows of one (batch, head) of a (B, H, N, C) tensor whose columns are contiguous, as (pointer to its first
+    row, row stride): a ``matrix`` of the functions below. ``strides`` are the tensor's (batch, head, row) strides in
+    elements, so that q, k, v, the output and the gradients keep the layout a model's projections give them
+    (tokens-major, heads inside) with no copy; ``slab`` is batch * num_heads + head, int64."""
+    batch_stride, head_stride, row_stride = strides
+    return ptr + (slab // num_heads) * batch_stride + (slab % num_heads) * head_stride, row_stride
 
 
 @jit
-def load_rows(ptr, rows, num_rows, COLS: tl.constexpr, BLOCK_COLS: tl.constexpr, CHECK_ROWS: tl.constexpr = True):
-    """(len(rows), BLOCK_COLS) tile of a contiguous (num_rows, COLS) matrix; zeros outside it. A plain tile's rows are
-    all inside (CHECK_ROWS false): its loads skip the per-row predicates, which cost a loop iteration instructions."""
-    ptrs, col_in = row_ptrs(ptr, rows, COLS, BLOCK_COLS)
+def rows_from(matrix, first):
+    """The rows of ``matrix`` from row ``first`` on."""
+    ptr, row_stride = matrix
+    return ptr + first * row_stride, row_stride
+
+
+@jit
+def row_ptrs(matrix, rows, COLS: tl.constexpr, BLOCK_COLS: tl.constexpr):
+    """Pointers and mask of ``rows`` of a (rows, COLS) ``matrix`` (pointer, row stride), padded to BLOCK_COLS
+    columns."""
+    ptr, row_stride = matrix
+    cols = tl.arange(0, BLOCK_COLS)
+    return ptr + rows[:, None] * row_stride + cols[None, :], cols[None, :] < COLS
+
+
+@jit
+def load_rows(matrix, rows, num_rows, COLS: tl.constexpr, BLOCK_COLS: tl.constexpr, CHECK_ROWS: tl.constexpr = True):
+    """(len(rows), BLOCK_COLS) tile of a (num_rows, COLS) ``matrix`` (pointer, row stride); zeros outside it. A plain
+    tile's rows are all inside (CHECK_ROWS false): its loads skip the per-row predicates, which cost a loop iteration
+    instructions."""
+    ptrs, col_in = row_ptrs(matrix, rows, COLS, BLOCK_COLS)
     if CHECK_ROWS:
         tile = tl.load(ptrs, mask=(rows[:, None] < num_rows) & col_in, other=0.0)
     elif COLS == BLOCK_COLS:
@@ -147,10 +167,11 @@ def squared_norms(Norms, index, size):
 
 
 @jit
-def store_rows(ptr, rows, num_rows, tile, COLS: tl.constexpr):
-    """Stores the rows of ``tile`` that lie inside a contiguous (num_rows, COLS) matrix, in its dtype."""
-    ptrs, col_in = row_ptrs(ptr, rows, COLS, tile.shape[1])
-    tl.store(ptrs, tile.to(ptr.dtype.element_ty), mask=(rows[:, None] < num_rows) & col_in)
+def store_rows(matrix, rows, num_rows, tile, COLS: tl.constexpr):
+    """Stores the rows of ``tile`` that lie inside a (num_rows, COLS) ``matrix`` (pointer, row stride), in its
+    dtype."""
+    ptrs, col_in = row_ptrs(matrix, rows, COLS, tile.shape[1])
+    tl.store(ptrs, tile.to(matrix[0].dtype.element_ty), mask=(rows[:, None] < num_rows) & col_in)
 
 
 
@@ -316,10 +337,10 @@ def _rows_dot(query_side, key_side, QUERY_AXIS: tl.constexpr, acc):
 
 @jit
 def _load_chunk(rows, start, COLS: tl.constexpr, CHUNK: tl.constexpr):
-    """Columns [start, start + CHUNK) of ``rows`` (``pair_dot``'s (pointer, positions, number of rows)), zeros outside
+    """Columns [start, start + CHUNK) of ``rows`` (``pair_dot``'s (matrix, positions, number of rows)), zeros outside
     the (number of rows, COLS) matrix."""
-    ptr, positions, num_rows = rows
-    ptrs, _ = row_ptrs(ptr + start, positions, COLS, CHUNK)
+    matrix, positions, num_rows = rows
+    ptrs, _ = row_ptrs((matrix[0] + start, matrix[1]), positions, COLS, CHUNK)
     col_in = start + tl.arange(0, CHUNK) < COLS
     return tl.load(ptrs, mask=(positions[:, None] < num_rows) & col_in[None, :], other=0.0)
 
@@ -329,10 +350,11 @@ def pair_dot(query_side, key_side, QUERY_AXIS: tl.constexpr, acc=None, CHUNK: tl
              COLS: tl.constexpr = 0):  # fmt: skip
     """The tile of dot products of query-side rows [BM, d] with key-side rows [BN, d], added to ``acc`` if given.
 
-    With CHUNK, each side is (pointer, positions, number of rows) of rows of a contiguous (number of rows, COLS)
-    matrix, and the products run over CHUNK columns at a time, each loaded in the step that takes it: float32 rows
-    above 64 columns, held whole, would sit in every warp that multiplies them (a 16-row operand of 128 float32 columns
-    is 64 registers per thread, tf32x3 holds two copies), so that a kernel's fixed block would spill inside its loop."""
+    With CHUNK, each side is (matrix, positions, number of rows) of rows of a (number of rows, COLS) matrix
+    (``row_ptrs``), and the products run over CHUNK columns at a time, each loaded in the step that takes it: float32
+    rows above 64 columns, held whole, would sit in every warp that multiplies them (a 16-row operand of 128 float32
+    columns is 64 registers per thread, tf32x3 holds two copies), so that a kernel's fixed block would spill inside its
+    loop."""
     if CHUNK:
         if acc is None:
             if QUERY_AXIS == 0:
@@ -483,8 +505,8 @@ def distances(query_side, key_side, bounds, V, rows, cols, num_keys, offset, eps
         query_in, key_in = rows < num_keys - offset, cols < num_keys
         dist_eps = tl.zeros_like(dist_eps)
         for dim in range(VALUE_DIM):
-            query_value = tl.load(V + (rows + offset) * VALUE_DIM + dim, mask=query_in, other=0.0).to(tl.float32)
-            key_value = tl.load(V + cols * VALUE_DIM + dim, mask=key_in, other=0.0).to(tl.float32)
+            query_value = tl.load(V[0] + (rows + offset) * V[1] + dim, mask=query_in, other=0.0).to(tl.float32)
+            key_value = tl.load(V[0] + cols * V[1] + dim, mask=key_in, other=0.0).to(tl.float32)
             diff = per_query(query_value, QUERY_AXIS) - per_key(key_value, QUERY_AXIS)
             dist_eps += diff * diff
         bound = COINCIDING * (sq_sums - eps)

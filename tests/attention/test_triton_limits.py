@@ -150,7 +150,8 @@ def test_many_heads_and_large_tensors_are_fine(gpu):
         assert choose(*cuda_inputs(batch=64, heads=16, nq=16384, nk=16384, head_dim=128)) == "triton"  # 2^31 elements
         q, k, v, _ = cuda_inputs(batch=1, heads=1, nq=16, nk=2**24 + 16, head_dim=128)
         assert "int32 offsets would overflow" in triton_module.triton_unsupported_reason(q, k, v, p=(1.5,))
-        # (B, N, H, d) projections viewed as (B, H, N, d): the kernels take contiguous copies of one head each.
+        # (B, N, H, d) projections viewed as (B, H, N, d), whose rows of all heads pass int32 offsets: the kernels take
+        # a contiguous copy (plap_attention_triton.kernel_layout), whose one head's rows do not.
         projected = torch.empty(1, 2**21, 32, 64, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
         assert choose(projected, projected, projected, None) == "triton"
 
@@ -315,6 +316,8 @@ def test_the_paper_mix_is_one_launch_per_kernel_pass_of_small_calls(alone):
     assert launched == [(f"plap_{kernel}_kernel", power, exact) for kernel in ("forward", "dq", "dkdv")
                         for power in classes for exact in passes]  # fmt: skip
     for launch in forward + backward:
-        # (p - 2) / 2 of the low and high p, then bit h set where head h takes the high one, before eps
-        assert launch.args[-4:-1] == (-0.25, 0.25, sum(1 << h for h in range(heads) if p[h] == 2.5))
+        # after the tensors, the run of heads, the sizes, the window and the scale: (p - 2) / 2 of the low and high p,
+        # then bit h set where head h takes the high one
+        scalars = launch.args[launch.tensors :]
+        assert scalars[7:10] == (-0.25, 0.25, sum(1 << h for h in range(heads) if p[h] == 2.5))
         assert launch.grid == (2 * batch * heads,)  # two 64-row blocks per head, every head
