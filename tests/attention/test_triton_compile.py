@@ -14,10 +14,11 @@ torch.compile's functionalization writes back would overwrite each other. Triton
 so that nothing compiled before can hide a failure; the compilation starts with the first attention test
 (conftest.py).
 
-By default a sample (``SAMPLE``, 228 kernel passes): on sm_80 and sm_90 every padded head size each dtype is admitted
+By default a sample (``SAMPLE``, 246 kernel passes): on sm_80 and sm_90 every padded head size each dtype is admitted
 at, every kernel and pass of each dtype, each side of every branch (causal, a sliding window, key padding, packed
 documents, euler, each class of the power, one p and two in a launch, lengths that are not multiples of 16, Nq < Nk,
-a value size of its own) and the configuration that failed on an H200; the paper's two p in one launch of the exact
+a value size of its own, q, k and v tokens-major as a model's projections give them) and the configuration that failed
+on an H200; the paper's two p in one launch of the exact
 passes alone (small calls) on every architecture; on sm_100 (its own table) the first passes at every padded head size
 of each dtype and every pass at head size 256; on sm_120 every pass at head size 256 and a few first passes.
 ``-m kernels`` compiles the full matrix (``FULL_MATRIX``, about 11,200 kernels, one child process per core): every
@@ -75,13 +76,14 @@ def admitted(case):
 
 
 def make_case(arch, dtype, head_dim, value_dim=None, flags=ALL_ON, p=1.5, lengths=(256, 256), kernels=KERNELS,
-              window=0, alone=False):  # fmt: skip
+              window=0, alone=False, tokens_major=False):  # fmt: skip
     """A case of triton_aot; packed rows have as many queries as keys; ``window`` a causal sliding window's size;
     ``alone``: each kernel's exact pass alone (small calls), its ``EXACT_PASSES``."""
     num_queries, num_keys = lengths
     return dict(arch=arch, dtype=dtype, head_dim=head_dim, value_dim=value_dim or head_dim, **flags, p=p,
                 num_queries=num_queries, num_keys=num_queries if flags["documents"] else num_keys,
-                kernels=EXACT_PASSES if alone else kernels, window=window, alone=alone)  # fmt: skip
+                kernels=EXACT_PASSES if alone else kernels, window=window, alone=alone,
+                tokens_major=tokens_major)  # fmt: skip
 
 
 def sample_cases(arch):
@@ -94,6 +96,11 @@ def sample_cases(arch):
         # causal masking, and every branch.
         make_case(arch, "bfloat16", 16, flags=CAUSAL, p=PAPER_MIX, alone=True),
         make_case(arch, "bfloat16", 64, p=PAPER_MIX, alone=True),
+        # q, k and v as a model's projections give them (tokens-major; row strides of H * d, the output's too): the
+        # paper LM's small calls, and training's first passes and float32's head chunks.
+        make_case(arch, "bfloat16", 16, flags=CAUSAL, p=PAPER_MIX, alone=True, tokens_major=True),
+        make_case(arch, "bfloat16", 64, flags=CAUSAL, p=PAPER_MIX, kernels=FIRST_PASSES, tokens_major=True),
+        make_case(arch, "float32", 128, 80, flags=ALL_OFF, lengths=UNEVEN, kernels=FIRST_PASSES, tokens_major=True),
         # As torch.compile's launcher types them (Python floats as float64): the kernels take their floats in float32.
         dict(make_case(arch, "bfloat16", 16, flags=CAUSAL, p=PAPER_MIX, kernels=FIRST_PASSES), float64_scalars=True),
         # A sliding window (Mistral's, Gemma's): its loop bounds and the window's edge in the masked tiles.

@@ -62,6 +62,7 @@ def case_id(case):
     window = f"window{case['window']}-" if case.get("window") else ""
     window += "float64-scalars-" if case.get("float64_scalars") else ""
     window += "alone-" if case.get("alone") else ""
+    window += "tokens-major-" if case.get("tokens_major") else ""
     return (
         f"sm{case['arch']}-{case['dtype']}-d{case['head_dim']}-dv{case['value_dim']}-{flags}{window}"
         f"{'euler' if case['euler'] else 'paper'}-p{'+'.join(f'{p:g}' for p in sorted(set(case_p(case))))}"
@@ -75,13 +76,18 @@ def launches(triton_module, case):
     (``forward_plan``, ``backward_plan``), on CPU tensors shaped as a small real input: three heads with the case's p
     (at most two values: the paper's two are a launch each, under the same name, or one launch of the exact pass alone
     where a case sets ``alone``, as small calls run it); ``window``, when a case gives one, is a causal sliding
-    window's size."""
+    window's size; ``tokens_major``: q, k and v as a model's projections give them, (B, N, H, d) viewed as (B, H, N, d)
+    (row strides H * d, compile-time constants of the kernels)."""
     batch, heads = 2, HEADS
     dtype = DTYPES[case["dtype"]]
     nq, nk, d, dv = case["num_queries"], case["num_keys"], case["head_dim"], case["value_dim"]
-    query = torch.zeros(batch, heads, nq, d, dtype=dtype)
-    key = torch.zeros(batch, heads, nk, d, dtype=dtype)
-    value = torch.zeros(batch, heads, nk, dv, dtype=dtype)
+
+    def rows(length, size):
+        if case.get("tokens_major"):
+            return torch.zeros(batch, length, heads, size, dtype=dtype).transpose(1, 2)
+        return torch.zeros(batch, heads, length, size, dtype=dtype)
+
+    query, key, value = rows(nq, d), rows(nk, d), rows(nk, dv)
     key_keep = torch.ones(batch, nk, dtype=torch.int8) if case["key_mask"] else None
     documents = torch.zeros(batch, nk, 3, dtype=torch.int32) if case.get("documents") else None
     config = triton_module.launch_config(dtype, d, dv, (case["arch"] // 10, case["arch"] % 10))
