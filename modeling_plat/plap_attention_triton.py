@@ -245,14 +245,20 @@ def _launch_plan(kernel, config, shape, strides, p, is_causal, window, has_key_m
     return tuple(plan)
 
 
-def _launches(kernel, config, query, key, value, out, tensors, p, is_causal, window, has_key_mask, has_documents,
-              euler, eps, exact_only, flag_block=None):  # fmt: skip
-    """The launches of ``kernel`` on these tensors (``_launch_plan``)."""
+def _layout(query, key, value, out):
+    """What a call's launches take of its tensors' shapes and layouts: (B, H, Nq, Nk, d, dv), ``kernel_strides`` of q,
+    k, v and the output, and whether all of them are plain ints (symbolic sizes, torch.compile with dynamic shapes,
+    are not hashable: ``_launches`` plans without its cache then)."""
     shape = (*query.shape[:3], key.shape[2], query.shape[3], value.shape[3])
     strides = kernel_strides(query, key, value, out)
+    return shape, strides, type(sum(shape) + sum(strides[0])) is int  # a sum with a symbolic size is symbolic
+
+
+def _launches(kernel, config, layout, tensors, p, is_causal, window, has_key_mask, has_documents, euler, eps,
+              exact_only, flag_block=None):  # fmt: skip
+    """The launches of ``kernel`` on these tensors (``_launch_plan``), ``layout`` theirs (``_layout``)."""
+    shape, strides, keyed = layout
     flags = (tuple(p), is_causal, window, has_key_mask, has_documents, euler, eps, exact_only, flag_block)
-    # Symbolic sizes (torch.compile with dynamic shapes) are not hashable: no cache then.
-    keyed = all(type(size) is int for size in (*shape, *strides[0]))
     plan = _launch_plan if keyed else _launch_plan.__wrapped__
     return [Launch(kernel, grid, (*tensors, *sizes), meta, len(tensors), key)
             for grid, sizes, meta, key in plan(kernel, config, shape, strides, *flags)]  # fmt: skip
@@ -263,15 +269,16 @@ def kernel_strides(*tensors):
     one's batch and head strides, arguments, then each one's row stride, compile-time constants (d or H * d, fixed by
     a model's layout, with no length in them; C for a single row), so that the row offsets compile as they did when
     the rows were contiguous."""
-    return (tuple(stride for tensor in tensors for stride in tensor.stride()[:2]),
-            tuple(int(tensor.stride(2)) if tensor.shape[2] > 1 else tensor.shape[3] for tensor in tensors))  # fmt: skip
+    strides = [tensor.stride() for tensor in tensors]
+    return (sum((one[:2] for one in strides), ()),
+            tuple([int(one[2]) if tensor.shape[2] > 1 else tensor.shape[3] for one, tensor in zip(strides, tensors)]))
 
 
 def kernel_layout(tensor):
     """``tensor`` (B, H, N, C) as the kernels take it: as it is where its columns are contiguous, its elements dense
     (so that ``empty_like`` gives its gradient the same strides) and one (batch, head)'s rows within int32 offsets,
     else a contiguous copy. The views of a model's projections, (B, N, H, C) transposed, qualify: no copy."""
-    return tensor if _strided_ok(tensor) else tensor.contiguous()
+    return tensor if tensor.is_contiguous() or _strided_ok(tensor) else tensor.contiguous()
 
 
 def output_like(query, value):
@@ -280,7 +287,8 @@ def output_like(query, value):
     contiguous; contiguous too where tokens-major rows would pass int32 offsets."""
     batch, heads, num_queries, _ = query.shape
     value_dim = value.shape[-1]
-    if query.stride(1) < query.stride(2) and (num_queries - 1) * heads * value_dim + value_dim <= MAX_OFFSET:
+    if (not query.is_contiguous() and query.stride(1) < query.stride(2)
+            and (num_queries - 1) * heads * value_dim + value_dim <= MAX_OFFSET):  # fmt: skip
         return query.new_empty(batch, num_queries, heads, value_dim).transpose(1, 2)
     return query.new_empty(batch, heads, num_queries, value_dim)
 
@@ -288,7 +296,8 @@ def output_like(query, value):
 def in_layout_of(out, grad_out):
     """``grad_out`` with the strides of ``out`` (the kernels read both by the output's, ``kernel_strides``): as it is
     where they match, as a model's backward passes it, else copied."""
-    if all(a == b for size, a, b in zip(out.shape, out.stride(), grad_out.stride()) if size > 1):
+    strides, grad_strides = out.stride(), grad_out.stride()
+    if strides == grad_strides or all(a == b for size, a, b in zip(out.shape, strides, grad_strides) if size > 1):
         return grad_out
     return torch.empty_like(out).copy_(grad_out)
 
@@ -335,7 +344,7 @@ def forward_launches(query, key, value, norms, key_keep, documents, out, lse, ow
     tensors = (query, key, value, norms, *_masks(norms, key_keep, documents), out, lse, own_weight,
                *exact_blocks)  # fmt: skip
     flags = (p, is_causal, window, key_keep is not None, documents is not None, euler, eps, exact_only)
-    return _launches(plap_forward_kernel, config.fwd, query, key, value, out, tensors, *flags)
+    return _launches(plap_forward_kernel, config.fwd, _layout(query, key, value, out), tensors, *flags)
 
 
 def exact_block_counts(query, key, config):
@@ -357,9 +366,9 @@ def backward_launches(
     inputs = (query, key, value, norms, *_masks(norms, key_keep, documents), grad_out, lse, delta, own_dot)
     flags = (p, is_causal, window, key_keep is not None, documents is not None, euler, eps, exact_only)
     query_blocks, key_tiles = exact_blocks
-    dq = (plap_dq_kernel, config.dq, query, key, value, out, (*inputs, out, own_weight, grad_q, grad_v_own,
-                                                                   query_blocks))  # fmt: skip
-    dkdv = (plap_dkdv_kernel, config.dkdv, query, key, value, out, (*inputs, grad_v_own, grad_k, grad_v, key_tiles))
+    layout = _layout(query, key, value, out)
+    dq = (plap_dq_kernel, config.dq, layout, (*inputs, out, own_weight, grad_q, grad_v_own, query_blocks))
+    dkdv = (plap_dkdv_kernel, config.dkdv, layout, (*inputs, grad_v_own, grad_k, grad_v, key_tiles))
     return _launches(*dq, *flags, config.fwd.block_m) + _launches(*dkdv, *flags, config.fwd.block_n)
 
 
