@@ -210,16 +210,15 @@ def _slab_blocks(kernel, config, num_queries, num_keys):
 
 @functools.lru_cache(maxsize=1024)
 def _launch_plan(kernel, config, shape, strides, p, is_causal, window, has_key_mask, has_documents, euler, eps,
-                 exact_only, flag_block):  # fmt: skip
+                 exact_only, flag_block, keyed):  # fmt: skip
     """(grid, scalar arguments, meta, PlanKey) of each launch of ``kernel`` (``launch_groups``), its first pass then its
-    exact pass (or that alone): what the shapes and layouts settle, computed once per shape (no key for symbolic
-    sizes). ``shape`` is (B, H, Nq, Nk, d, dv), ``strides`` those of q, k, v and the output (``kernel_strides``),
-    ``window`` the sliding window's size (0: none); a backward kernel's ``flag_block`` is the size
-    of the forward's blocks (dq) or key tiles (dk/dv) that its flags cover."""
+    exact pass (or that alone): what the shapes and layouts settle, computed once per shape (``keyed``, as
+    ``_layout`` says; symbolic sizes get no key). ``shape`` is (B, H, Nq, Nk, d, dv), ``strides`` those of q, k, v
+    and the output (``kernel_strides``), ``window`` the sliding window's size (0: none); a backward kernel's
+    ``flag_block`` is the size of the forward's blocks (dq) or key tiles (dk/dv) that its flags cover."""
     batch, heads, num_queries, num_keys, head_dim, value_dim = shape
     blocks = _slab_blocks(kernel, config, num_queries, num_keys)
     slab_strides, (q_rows, k_rows, v_rows, out_rows) = strides
-    keyed = all(type(size) is int for size in (*shape, *slab_strides))
     plan = []
     for first, end, power, low, high, high_heads in launch_groups(p, exact_only):
         meta = dict(HEAD_DIM=head_dim, VALUE_DIM=value_dim, BLOCK_D=padded_head_size(head_dim),
@@ -258,7 +257,7 @@ def _launches(kernel, config, layout, tensors, p, is_causal, window, has_key_mas
               exact_only, flag_block=None):  # fmt: skip
     """The launches of ``kernel`` on these tensors (``_launch_plan``), ``layout`` theirs (``_layout``)."""
     shape, strides, keyed = layout
-    flags = (tuple(p), is_causal, window, has_key_mask, has_documents, euler, eps, exact_only, flag_block)
+    flags = (tuple(p), is_causal, window, has_key_mask, has_documents, euler, eps, exact_only, flag_block, keyed)
     plan = _launch_plan if keyed else _launch_plan.__wrapped__
     return [Launch(kernel, grid, (*tensors, *sizes), meta, len(tensors), key)
             for grid, sizes, meta, key in plan(kernel, config, shape, strides, *flags)]  # fmt: skip
@@ -305,8 +304,17 @@ def in_layout_of(out, grad_out):
 def _strided_ok(tensor):
     if tensor.stride(-1) != 1 or (tensor.shape[2] - 1) * tensor.stride(2) + tensor.shape[3] > MAX_OFFSET:
         return False
+    # (stride, size) of the dims of size > 1 by increasing stride, inserted one by one: torch.compile traces the
+    # comparisons of symbolic strides (dynamic shapes) here, but not sorted() on them.
+    dims = []
+    for size, stride in zip(tensor.shape, tensor.stride()):
+        if size > 1:
+            at = len(dims)
+            while at and dims[at - 1][0] > stride:
+                at -= 1
+            dims.insert(at, (stride, size))
     inside = 1  # dense: from the innermost dim out, each stride is the number of elements inside it (size-1 dims aside)
-    for stride, size in sorted((stride, size) for size, stride in zip(tensor.shape, tensor.stride()) if size > 1):
+    for stride, size in dims:
         if stride != inside:
             return False
         inside *= size

@@ -1,6 +1,7 @@
 """torch.compile, torch.export and ONNX see the whole model: no graph break in any layer, fullgraph forward and
-backward equal eager, exported programs with dynamic batch and length equal eager at other shapes; on the tests'
-device (tests/device.py), and on a GPU also compiled by Inductor."""
+backward equal eager, training steps on batches of new sizes in one graph of symbolic sizes, exported programs with
+dynamic batch and length equal eager at other shapes; on the tests' device (tests/device.py), and on a GPU also
+compiled by Inductor."""
 
 import importlib
 
@@ -25,6 +26,15 @@ def training_step(model):
 def requires(backend):
     if backend == "triton":  # the fused kernels, run by the Triton interpreter on CPU (tests/conftest.py)
         pytest.importorskip("triton")
+
+
+def without_dropout(model):
+    """The model on the tests' device with its dropout off: compiled and eager steps then draw no random numbers."""
+    model.config.hidden_dropout_prob = 0.0
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    return model.to(DEVICE)
 
 
 def token_ids(*shape, seed=0):
@@ -53,11 +63,7 @@ COMPILERS = {"aot_eager": dict(rtol=1e-4, atol=1e-6), "inductor": dict(rtol=1e-3
 @pytest.mark.parametrize("shape", TEXT_SHAPES)
 def test_fullgraph_forward_and_backward_equal_eager(shape, backend, compiler):
     requires(backend)
-    model = lm(**TEXT_SHAPES[shape], plap_p=P_MIX, plap_backend=backend, use_cache=False).train().to(DEVICE)
-    model.config.hidden_dropout_prob = 0.0
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
+    model = without_dropout(lm(**TEXT_SHAPES[shape], plap_p=P_MIX, plap_backend=backend, use_cache=False).train())
     ids = token_ids(2, 12)
     expected_loss = model(ids, labels=ids).loss
     expected = torch.autograd.grad(expected_loss, list(model.parameters()))
@@ -68,6 +74,35 @@ def test_fullgraph_forward_and_backward_equal_eager(shape, backend, compiler):
     torch.testing.assert_close(loss, expected_loss, **COMPILERS[compiler])
     for grad, reference in zip(grads, expected):
         torch.testing.assert_close(grad, reference, **COMPILERS[compiler])
+
+
+@pytest.mark.parametrize("compiler", ["aot_eager", pytest.param("inductor", marks=needs_cuda)])
+@pytest.mark.parametrize("backend", [pytest.param("eager", marks=pytest.mark.slow), "tiled", "triton"])
+def test_batches_of_new_sizes_share_one_graph_with_symbolic_sizes(backend, compiler):
+    """Training on batches of varying sizes (padding to each batch's longest): the second size recompiles with the batch
+    and length symbolic, as torch.compile does by default, and that graph, traced whole, runs every later size as
+    eager does."""
+    requires(backend)
+    model = without_dropout(lm(plap_p=P_MIX, plap_backend=backend, use_cache=False).train())
+    graphs = []
+
+    def counting_backend(graph, example_inputs):
+        graphs.append(graph)
+        return torch._dynamo.lookup_backend(compiler)(graph, example_inputs)
+
+    step = training_step(model)
+    torch._dynamo.reset()
+    compiled = torch.compile(step, backend=counting_backend, fullgraph=True)
+    for seed, (batch, length) in enumerate([(2, 12), (3, 17), (2, 7)]):  # sizes 0 and 1 are always specialized
+        ids = token_ids(batch, length, seed=seed)
+        expected_loss = step(ids)
+        expected = torch.autograd.grad(expected_loss, list(model.parameters()))
+        loss = compiled(ids)
+        grads = torch.autograd.grad(loss, list(model.parameters()))
+        torch.testing.assert_close(loss, expected_loss, **COMPILERS[compiler])
+        for grad, reference in zip(grads, expected):
+            torch.testing.assert_close(grad, reference, **COMPILERS[compiler])
+    assert len(graphs) == 2
 
 
 def test_fullgraph_packed_rows_equal_eager():
