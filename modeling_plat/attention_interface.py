@@ -52,6 +52,16 @@ def plap_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_fun
             "with its own value: cross-attention cannot run p-LaT, nor can a static cache (generate("
             "cache_implementation='static')); use a DynamicCache"
         )
+    plain = mask_function in (causal_mask_function, bidirectional_mask_function)
+    return (_pattern_mask if plain else _other_pattern_mask)(
+        batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask, allow_is_causal_skip,
+        **kwargs,
+    )
+
+
+def _pattern_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask,
+                  allow_is_causal_skip, **kwargs):  # fmt: skip
+    """``plap_mask`` of a valid call: what ``mask_function`` is, and the mask that says it."""
     base = _without_packing(mask_function)
     plain = base in (causal_mask_function, bidirectional_mask_function)
     skip = allow_is_causal_skip or base is not mask_function  # transformers clears the flag for packed rows
@@ -62,6 +72,12 @@ def plap_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_fun
                            kwargs.get("device"))
     return sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function=mask_function,
                      attention_mask=attention_mask, allow_is_causal_skip=allow_is_causal_skip, **kwargs)  # fmt: skip
+
+
+# Telling the other patterns apart reads the closures of transformers' mask functions and evaluates them on the host,
+# which dynamo does not trace: torch.compile runs it as one call outside its graphs (one graph break per mask made)
+# rather than breaking at each step inside it.
+_other_pattern_mask = torch.compiler.disable(_pattern_mask, reason="plap_mask reads the mask function's closures")
 
 
 def _key_padding(attention_mask, kv_length, kv_offset):

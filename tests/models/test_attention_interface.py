@@ -349,6 +349,23 @@ def test_compiles_without_graph_breaks():
                                    atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("name", ["mistral-window", pytest.param("llama4-chunked", marks=pytest.mark.slow)])
+def test_windows_and_chunks_break_the_graph_only_where_the_mask_is_made(name):
+    """torch.compile cannot trace how plap_mask tells a sliding window or chunks apart: it calls that outside its
+    graphs, once per mask, and traces the layers whole around it; the compiled model gives the eager logits."""
+    model = family(name, "plap")
+    input_ids, attention_mask = batch()
+    with torch.no_grad():
+        expected = model(input_ids, attention_mask=attention_mask).logits
+        torch._dynamo.reset()
+        explained = torch._dynamo.explain(model)(input_ids, attention_mask=attention_mask)
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend="aot_eager")(input_ids, attention_mask=attention_mask).logits
+    assert explained.break_reasons and all(reason.user_stack[-1].name == "plap_mask"
+                                           for reason in explained.break_reasons)  # fmt: skip
+    torch.testing.assert_close(compiled, expected, atol=1e-5, rtol=1e-4)
+
+
 PACKED_LENGTHS = (5, 11, 1, 9)
 
 
