@@ -155,11 +155,12 @@ def _is_sliding_window(mask_function, window):
     needs (transformers' own flash_attention_mask likewise drops the pattern)."""
     if window is None or isinstance(window, torch.Tensor):
         return False
-    index = lambda position: torch.tensor(position)  # noqa: E731
     query = 2 * window + 1
     probes = {query - window: False, query - window + 1: True, query: True, query + 1: False, window - 1: False}
-    return all(bool(mask_function(index(0), index(0), index(query), index(key))) == allowed
-               for key, allowed in probes.items())  # fmt: skip
+    # One call on every probed key at once, broadcast as transformers' sdpa_mask calls mask functions.
+    zero = torch.tensor(0)
+    allowed = mask_function(zero, zero, torch.tensor(query), torch.tensor(list(probes)))
+    return torch.as_tensor(allowed).broadcast_to((len(probes),)).tolist() == list(probes.values())
 
 
 def _layer_p(plap_p, num_layers, num_heads, layer_idx):
