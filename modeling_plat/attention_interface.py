@@ -65,7 +65,7 @@ def _pattern_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_fun
     base = _without_packing(mask_function)
     plain = base in (causal_mask_function, bidirectional_mask_function)
     skip = allow_is_causal_skip or base is not mask_function  # transformers clears the flag for packed rows
-    if skip and (plain or _is_sliding_window(base, kwargs.get("local_size"))):
+    if skip and (plain or _is_sliding_window(base, kwargs.get("local_size"), kwargs.get("device"))):
         return _key_padding(attention_mask, kv_length, kv_offset)
     if skip and _is_chunked(base) and q_length in (1, kv_length):
         return _chunk_mask(mask_function, attention_mask, batch_size, q_length, kv_length, kv_offset,
@@ -148,7 +148,7 @@ def _closure_value(function, name):
     return cells[name].cell_contents if name in cells else None
 
 
-def _is_sliding_window(mask_function, window):
+def _is_sliding_window(mask_function, window, device=None):
     """Whether ``mask_function`` is transformers' causal sliding window of ``window`` keys, (x - window, x] for the
     query at x: probed at the window's edges, where a chunked pattern of that size (Llama 4) differs. Such a mask
     becomes a size: the models that build it pass ``sliding_window`` to their attention function, as FlashAttention
@@ -157,9 +157,10 @@ def _is_sliding_window(mask_function, window):
         return False
     query = 2 * window + 1
     probes = {query - window: False, query - window + 1: True, query: True, query + 1: False, window - 1: False}
-    # One call on every probed key at once, broadcast as transformers' sdpa_mask calls mask functions.
-    zero = torch.tensor(0)
-    allowed = mask_function(zero, zero, torch.tensor(query), torch.tensor(list(probes)))
+    # One call on every probed key at once, broadcast as transformers' sdpa_mask calls mask functions, on the device
+    # of the tensors they hold (a chunked pattern's left padding).
+    zero = torch.tensor(0, device=device)
+    allowed = mask_function(zero, zero, torch.tensor(query, device=device), torch.tensor(list(probes), device=device))
     return torch.as_tensor(allowed).broadcast_to((len(probes),)).tolist() == list(probes.values())
 
 
