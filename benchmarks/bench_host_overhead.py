@@ -10,19 +10,30 @@ prints per call, forward and forward + backward:
 - the host time of the eager path (``FusedOp`` calling the backend's functions through a plain autograd Function),
   of the same call through torch.library's custom-op dispatcher (what compiled graphs call), of SDPA at the same
   shape, and of one attention layer as a model runs it (PlatAttention: the projections, whose views q, k and v are,
-  around the attention) with the paper's p and with p = 2 (SDPA), interleaved, median of ``--repeats`` rounds of
-  ``--calls`` calls (SDPA's arithmetic and the projections' are real CPU work, and in their times; only the Triton
-  kernels are no-ops);
+  around the attention) with the paper's p and with p = 2 (SDPA), interleaved, the fastest of ``--repeats`` rounds of
+  ``--calls`` calls (what the code costs, without the time a shared machine's other work takes from a round; SDPA's
+  arithmetic and the projections' are real CPU work, and in their times; only the Triton kernels are no-ops);
 - the Triton launches and the ATen operations (allocations and views included; most are a kernel launch on a GPU)
   per call, counted exactly, and among them the copies into another layout;
+- the Python bytecodes one call executes (``sys.settrace``), in ``modeling_plat`` and in all: the host's Python work,
+  counted exactly whatever the machine's speed and load (a VM's timings vary by 10% or more from run to run);
 - the Python time of one launch through ``triton_launcher.BoundLaunches`` (its key, lookup and arguments), the
   compiled kernel a no-op: on a GPU Triton's own launcher adds its time to this.
+
+``--against CHECKOUT`` times another checkout's ``modeling_plat`` (copied beside this one under another name) in the
+same rounds, interleaved call block by call block, and prints each row's ratio, this / that: the fastest against the
+fastest, and the middle half of the rounds' own ratios, so that a change is measured side by side on one machine.
 """
 
 import argparse
+import importlib
 import os
-import statistics
+import shutil
+import sys
+import tempfile
 import time
+from pathlib import Path
+from types import SimpleNamespace
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # CPU tensors may take the Triton path; no kernel runs (below)
 
@@ -31,12 +42,25 @@ import torch.nn.functional as F  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from machine import facts_label, machine_facts  # noqa: E402
-from modeling_plat import PlatConfig, plap_attention  # noqa: E402
-from modeling_plat import plap_attention_triton as triton_module  # noqa: E402
-from modeling_plat import triton_launcher  # noqa: E402
-from modeling_plat.modeling_plat import PlatAttention  # noqa: E402
 
 P_MIX = (1.5, 2.5)
+
+
+def package(name):
+    """The modules of the ``modeling_plat`` package importable as ``name`` that this benchmark calls."""
+    return SimpleNamespace(root=importlib.import_module(name),
+                           triton=importlib.import_module(f"{name}.plap_attention_triton"),
+                           launcher=importlib.import_module(f"{name}.triton_launcher"),
+                           modeling=importlib.import_module(f"{name}.modeling_plat"))  # fmt: skip
+
+
+def package_of_checkout(checkout):
+    """Another checkout's ``modeling_plat``, copied into a temporary folder as ``modeling_plat_against`` so that both
+    import in one process (its custom ops are named after the copy's module path, apart from this one's)."""
+    folder = Path(tempfile.mkdtemp(prefix="plat-against-"))
+    shutil.copytree(Path(checkout) / "modeling_plat", folder / "modeling_plat_against")
+    sys.path.insert(0, str(folder))
+    return package("modeling_plat_against")
 
 
 class OpCounter(TorchDispatchMode):
@@ -60,8 +84,8 @@ def inputs(batch, heads, length, head_dim):
     return q, k, v, p, torch.ones(batch, heads, length, head_dim)
 
 
-def calls(q, k, v, p, grad):
-    """name -> (forward, forward + backward) callables."""
+def calls(modules, q, k, v, p, grad):
+    """name -> (forward, forward + backward) callables of the package ``modules``."""
 
     def plat(through_op):
         def forward():
@@ -74,12 +98,12 @@ def calls(q, k, v, p, grad):
         return forward, both
 
     def run(through_op):
-        fused = triton_module._fused
+        fused = modules.triton._fused
         original = type(fused).__call__
         if through_op:
             type(fused).__call__ = lambda self, *a: self.forward_op(*a)
         try:
-            return plap_attention(q, k, v, p, is_causal=True, backend="triton")
+            return modules.root.plap_attention(q, k, v, p, is_causal=True, backend="triton")
         finally:
             type(fused).__call__ = original
 
@@ -91,19 +115,19 @@ def calls(q, k, v, p, grad):
         "plat (eager path)": plat(False),
         "plat (custom-op dispatcher)": plat(True),
         "sdpa": (sdpa_forward, lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)),
-        "plat layer (PlatAttention)": layer_calls(q.shape, p, "triton"),
-        "p = 2 layer (SDPA)": layer_calls(q.shape, 2.0, "auto"),
+        "plat layer (PlatAttention)": layer_calls(modules, q.shape, p, "triton"),
+        "p = 2 layer (SDPA)": layer_calls(modules, q.shape, 2.0, "auto"),
     }
 
 
-def layer_calls(shape, p, backend):
+def layer_calls(modules, shape, p, backend):
     """(forward, forward + backward) of one PlatAttention layer of B x N tokens of H * d features: its projections
     around the attention, whose q, k and v are views of them, as in a model."""
     batch, heads, length, head_dim = shape
-    config = PlatConfig(hidden_size=heads * head_dim, num_attention_heads=heads, num_hidden_layers=1, plap_p=p,
-                        plap_backend=backend)  # fmt: skip
+    config = modules.root.PlatConfig(hidden_size=heads * head_dim, num_attention_heads=heads, num_hidden_layers=1,
+                                     plap_p=p, plap_backend=backend)  # fmt: skip
     torch.manual_seed(0)
-    attention = PlatAttention(config, 0, is_causal=True)
+    attention = modules.modeling.PlatAttention(config, 0, is_causal=True)
     hidden = torch.randn(batch, length, heads * head_dim, requires_grad=True)
     grad = torch.ones_like(hidden)
 
@@ -129,9 +153,29 @@ class NoOpKernel:
             pass
 
 
-def bound_launch_us(launches, count):
+def bytecodes(fn, modules):
+    """(in the package of ``modules``, in all) Python bytecodes that one fn() executes."""
+    package = str(Path(modules.triton.__file__).parent)
+    counts = [0, 0]
+
+    def trace(frame, event, arg):
+        frame.f_trace_opcodes = True
+        if event == "opcode":
+            counts[0] += frame.f_code.co_filename.startswith(package)
+            counts[1] += 1
+        return trace
+
+    sys.settrace(trace)
+    try:
+        fn()
+    finally:
+        sys.settrace(None)
+    return counts
+
+
+def bound_launch_us(modules, launches, count):
     """Microseconds of Python per launch of a call's launches through BoundLaunches, after the first (binding)."""
-    bound = triton_launcher.BoundLaunches()
+    bound = modules.launcher.BoundLaunches()
     bound.enabled, bound.current_stream = True, lambda device: None
     kernel = NoOpKernel()
     launches = [launch._replace(kernel=kernel) for launch in launches]
@@ -152,6 +196,13 @@ def per_call_us(fn, count):
     return (time.perf_counter() - start) / count * 1e6
 
 
+def ratio_text(this, that):
+    """this / that of one row: fastest against fastest, and the middle half of the paired rounds' ratios."""
+    ratios = sorted(a / b for a, b in zip(this, that))
+    middle = ratios[len(ratios) // 4], ratios[(3 * len(ratios)) // 4]
+    return f"{min(this) / min(that):.3f} (rounds {middle[0]:.3f}-{middle[1]:.3f})"
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shape", type=int, nargs=4, default=[16, 8, 256, 16], metavar=("B", "H", "N", "D"),
@@ -159,25 +210,36 @@ def main(argv=None):
     parser.add_argument("--length", type=int, default=16, help="the sequence length actually run (short: host work)")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--calls", type=int, default=300)
+    parser.add_argument("--against", metavar="CHECKOUT",
+                        help="another checkout (its modeling_plat) timed in the same rounds, for ratios")
     args = parser.parse_args(argv)
     batch, heads, _, head_dim = args.shape
+    versions = {"": package("modeling_plat")}
+    if args.against:
+        versions[" [against]"] = package_of_checkout(args.against)
     # Launches are kept only while a call's are counted: kept tensors would make every allocation a fresh one.
     launches, counting = [], [False]
-    triton_module._run = lambda launch, query, value: launches.append(launch) if counting[0] else None
+    for modules in versions.values():
+        modules.triton._run = lambda launch, query, value: launches.append(launch) if counting[0] else None
     q, k, v, p, grad = inputs(batch, heads, args.length, head_dim)
-    cases = calls(q, k, v, p, grad)
-    for forward, both in cases.values():  # warm-up, and every path checked to run
+    rows = {version: calls(modules, q, k, v, p, grad) for version, modules in versions.items()}
+    cases = {(name, version): (versions[version], rows[version][name]) for name in rows[""] for version in versions}
+    for _, (forward, both) in cases.values():  # warm-up, and every path checked to run
         forward(), both()
-    times = {(name, part): [] for name in cases for part in ("fwd", "fwd+bwd")}
-    for _ in range(args.repeats):
-        for name, (forward, both) in cases.items():
-            times[name, "fwd"].append(per_call_us(forward, args.calls))
-            times[name, "fwd+bwd"].append(per_call_us(both, args.calls))
+    times = {(case, part): [] for case in cases for part in ("fwd", "fwd+bwd")}
+    for round_ in range(args.repeats):
+        order = list(versions)[:: 1 if round_ % 2 == 0 else -1]  # which version goes first alternates
+        for name in rows[""]:  # each row's versions one after the other
+            for version in order:
+                forward, both = cases[name, version][1]
+                times[(name, version), "fwd"].append(per_call_us(forward, args.calls))
+                times[(name, version), "fwd+bwd"].append(per_call_us(both, args.calls))
     print(f"host time per call, B={batch} H={heads} N={args.length} d={head_dim}, p mix {P_MIX}, launches no-ops "
-          f"(median of {args.repeats} x {args.calls}); {facts_label(machine_facts(torch.device('cpu')))}")
-    for name, (forward, both) in cases.items():
-        fwd, fwd_bwd = (statistics.median(times[name, part]) for part in ("fwd", "fwd+bwd"))
-        line = f"  {name:30s} fwd {fwd:8.1f} us  fwd+bwd {fwd_bwd:8.1f} us"
+          f"(fastest of {args.repeats} x {args.calls}); {facts_label(machine_facts(torch.device('cpu')))}"
+          + (f"; [against]: {args.against}" if args.against else ""))  # fmt: skip
+    for (name, version), (modules, (forward, both)) in cases.items():
+        fwd, fwd_bwd = (min(times[(name, version), part]) for part in ("fwd", "fwd+bwd"))
+        line = f"  {name + version:40s} fwd {fwd:8.1f} us  fwd+bwd {fwd_bwd:8.1f} us"
         if "dispatcher" not in name:  # there the op hides its own operations from the counter
             counts = []
             for fn in (forward, both):
@@ -188,12 +250,20 @@ def main(argv=None):
                 counting[0] = False
                 counts.append(f"{len(launches)} + {counter.count} ({counter.copies} copies)")
             line += f"   Triton launches + ATen ops: fwd {counts[0]}, fwd+bwd {counts[1]}"
+            ours, every = bytecodes(both, modules)
+            line += f"; Python bytecodes fwd+bwd: {ours} in modeling_plat, {every} in all"
         print(line)
-    launches.clear()
-    counting[0] = True
-    cases["plat (eager path)"][1]()
-    per_launch = statistics.median(bound_launch_us(list(launches), args.calls) for _ in range(args.repeats))
-    print(f"  one bound launch, Python side (compiled kernel a no-op): {per_launch:.2f} us")
+        if version:
+            ratios = [ratio_text(times[(name, ""), part], times[(name, version), part]) for part in ("fwd", "fwd+bwd")]
+            print(f"  {'':40s} this / against: fwd {ratios[0]}, fwd+bwd {ratios[1]}")
+    for version, modules in versions.items():
+        launches.clear()
+        counting[0] = True
+        cases["plat (eager path)", version][1][1]()
+        counting[0] = False
+        recorded = list(launches)
+        per_launch = min(bound_launch_us(modules, recorded, args.calls) for _ in range(args.repeats))
+        print(f"  one bound launch{version}, Python side (compiled kernel a no-op): {per_launch:.2f} us")
 
 
 if __name__ == "__main__":
