@@ -15,4 +15,5 @@ def eager_cache(function):
     def call(*args):
         return function(*args) if torch.compiler.is_compiling() else cached(*args)
 
+    call.cache_clear = cached.cache_clear
     return call

@@ -58,8 +58,8 @@ from .head_runs import head_runs
 from .plap_attention_reference import formulation_of, implemented
 from .triton_backward import plap_dkdv_kernel, plap_dq_kernel
 from .triton_configs import (
-    INTERPRETER_CONFIG, SUPPORTED_DTYPES, KernelConfig, LaunchConfig, capability_reason, interpreter_config,
-    launch_config, padded_head_size,
+    INTERPRETER_CONFIG, SUPPORTED_DTYPES, KernelConfig, LaunchConfig, capability_reason, device_capability,
+    interpreter_config, launch_config, padded_head_size,
 )  # fmt: skip
 from .triton_forward import plap_forward_kernel
 from .triton_launcher import TRITON_VERSION, BoundLaunches, PlanKey, run_launch, traced_launch
@@ -103,7 +103,7 @@ def triton_unsupported_reason(query, key=None, value=None, *, p, attn_mask=None,
     if sliding_window is not None and not is_causal:
         return "a sliding window is fused with causal masking only (keys in (x - window, x])"
     if device_type == "cuda":
-        capability = torch.cuda.get_device_capability(query.device) if capability is None else capability
+        capability = device_capability(query.device.index) if capability is None else capability
         reason = capability_reason(capability, query.dtype, query.shape[-1], value.shape[-1])
     elif device_type == "cpu" and INTERPRETED:
         reason = None  # the interpreter has no architecture limits
@@ -247,10 +247,17 @@ def _launch_plan(kernel, config, shape, strides, p, is_causal, window, has_key_m
 def _layout(query, key, value, out):
     """What a call's launches take of its tensors' shapes and layouts: (B, H, Nq, Nk, d, dv), ``kernel_strides`` of q,
     k, v and the output, and whether all of them are plain ints (symbolic sizes, torch.compile with dynamic shapes,
-    are not hashable: ``_launches`` plans without its cache then)."""
-    shape = (*query.shape[:3], key.shape[2], query.shape[3], value.shape[3])
-    strides = kernel_strides(query, key, value, out)
-    return shape, strides, type(sum(shape) + sum(strides[0])) is int  # a sum with a symbolic size is symbolic
+    are not hashable: ``_launches`` plans without its cache then). Kept per shapes and strides."""
+    shapes = (query.shape, key.shape, value.shape, out.shape)
+    strides = (query.stride(), key.stride(), value.stride(), out.stride())
+    keyed = type(sum(map(sum, shapes + strides))) is int  # a sum with a symbolic size is symbolic
+    return (_layout_of if keyed else _layout_of.__wrapped__)(shapes, strides, keyed)
+
+
+@eager_cache
+def _layout_of(shapes, strides, keyed):
+    (batch, heads, num_queries, head_dim), key_shape, value_shape, _ = shapes
+    return (batch, heads, num_queries, key_shape[2], head_dim, value_shape[3]), kernel_strides(shapes, strides), keyed
 
 
 def _launches(kernel, config, layout, tensors, p, is_causal, window, has_key_mask, has_documents, euler, eps,
@@ -263,21 +270,21 @@ def _launches(kernel, config, layout, tensors, p, is_causal, window, has_key_mas
             for grid, sizes, meta, key in plan(kernel, config, shape, strides, *flags)]  # fmt: skip
 
 
-def kernel_strides(*tensors):
-    """The strides of (B, H, N, C) tensors, in elements, as the kernels take them (``triton_tiles.slab_rows``): each
-    one's batch and head strides, arguments, then each one's row stride, compile-time constants (d or H * d, fixed by
-    a model's layout, with no length in them; C for a single row), so that the row offsets compile as they did when
-    the rows were contiguous."""
-    strides = [tensor.stride() for tensor in tensors]
-    return (sum((one[:2] for one in strides), ()),
-            tuple([int(one[2]) if tensor.shape[2] > 1 else tensor.shape[3] for one, tensor in zip(strides, tensors)]))
+def kernel_strides(shapes, strides):
+    """The strides of (B, H, N, C) tensors of these shapes and strides, in elements, as the kernels take them
+    (``triton_tiles.slab_rows``): each one's batch and head strides, arguments, then each one's row stride, compile-time
+    constants (d or H * d, fixed by a model's layout, with no length in them; C for a single row), so that the row
+    offsets compile as they did when the rows were contiguous."""
+    slabs = tuple(stride for one in strides for stride in one[:2])
+    rows = tuple(int(one[2]) if length > 1 else columns for (_, _, length, columns), one in zip(shapes, strides))
+    return slabs, rows
 
 
 def kernel_layout(tensor):
     """``tensor`` (B, H, N, C) as the kernels take it: as it is where its columns are contiguous, its elements dense
     (so that ``empty_like`` gives its gradient the same strides) and one (batch, head)'s rows within int32 offsets,
     else a contiguous copy. The views of a model's projections, (B, N, H, C) transposed, qualify: no copy."""
-    return tensor if tensor.is_contiguous() or _strided_ok(tensor) else tensor.contiguous()
+    return tensor if tensor.is_contiguous() or _strided_ok(tensor.shape, tensor.stride()) else tensor.contiguous()
 
 
 def output_like(query, value):
@@ -301,13 +308,17 @@ def in_layout_of(out, grad_out):
     return torch.empty_like(out).copy_(grad_out)
 
 
-def _strided_ok(tensor):
-    if tensor.stride(-1) != 1 or (tensor.shape[2] - 1) * tensor.stride(2) + tensor.shape[3] > MAX_OFFSET:
+@eager_cache
+def _strided_ok(shape, strides):
+    _, heads, rows, columns = shape
+    if strides[3] != 1 or (rows - 1) * strides[2] + columns > MAX_OFFSET:
         return False
+    if strides[1] == columns and strides[2] == heads * columns and strides[0] == rows * strides[2]:
+        return True  # (B, N, H, C) memory, as a model's projections leave q, k and v: dense, told at once
     # (stride, size) of the dims of size > 1 by increasing stride, inserted one by one: torch.compile traces the
     # comparisons of symbolic strides (dynamic shapes) here, but not sorted() on them.
     dims = []
-    for size, stride in zip(tensor.shape, tensor.stride()):
+    for size, stride in zip(shape, strides):
         if size > 1:
             at = len(dims)
             while at and dims[at - 1][0] > stride:
@@ -327,7 +338,7 @@ def _masks(norms, key_keep, documents):
     the kernel writes: torch.compile's functionalization of a kernel clones each argument that it may write (all of
     them where its analysis of the kernel fails) and copies the clones back in turn, so that the clone of an untouched
     alias would overwrite what the kernel wrote."""
-    return tuple(norms if mask is None else mask for mask in (key_keep, documents))
+    return (norms if key_keep is None else key_keep), (norms if documents is None else documents)
 
 
 def value_norms(value):
@@ -417,9 +428,10 @@ def _exact_flags(query, key, config, alone):
     return tuple(query.new_empty(count, dtype=torch.int32) for count in counts)
 
 
+@eager_cache
 def _flat(config):
-    """A LaunchConfig as the list of ints a custom op takes."""
-    return [int(number) for kernel in config for number in kernel]
+    """A LaunchConfig as the ints a custom op takes (its ``int[]``)."""
+    return tuple(int(number) for kernel in config for number in kernel)
 
 
 def _unflat(numbers):
@@ -568,7 +580,7 @@ def plap_attention_triton(
     """
     euler = formulation_of(formulation, FORMULATIONS, "triton").self_pair == "euler"
     if config is None and query.device.type == "cuda":
-        capability = torch.cuda.get_device_capability(query.device)
+        capability = device_capability(query.device.index)
         config = launch_config(query.dtype, query.shape[-1], value.shape[-1], capability)
     elif config is None:
         config = interpreter_config(query.dtype, query.shape[-1], value.shape[-1])
@@ -580,9 +592,9 @@ def plap_attention_triton(
         key_keep = attn_mask.reshape(_key_padding_shape(attn_mask)).expand(batch, num_keys)
         key_keep = key_keep.to(torch.int8).contiguous()  # (B, Nk)
     documents = None if document_ids is None else document_table(document_ids)
-    query, key, value = (kernel_layout(tensor) for tensor in (query, key, value))
+    query, key, value = kernel_layout(query), kernel_layout(key), kernel_layout(value)
     # A window as long as the keys leaves every causal pair: no window then.
     window = sliding_window if sliding_window is not None and sliding_window < key.shape[2] else 0
-    out, *_ = _fused(query, key, value, key_keep, documents, [float(v) for v in p], is_causal, window, float(eps),
+    out, *_ = _fused(query, key, value, key_keep, documents, list(map(float, p)), is_causal, window, float(eps),
                      euler, _flat(config))  # fmt: skip
     return out

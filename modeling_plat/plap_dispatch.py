@@ -32,6 +32,7 @@ from .plap_attention_tiled import plap_attention_tiled
 from .plap_attention_reference import (
     FORMULATIONS, allowed_positions, plap_attention_eager, sliding_window_positions,
 )  # fmt: skip
+from .triton_configs import device_capability
 
 # On CPU the eager backend beats the tiled one up to this many scores (B * H * Nq * Nk of the heads with p != 2)
 # per intra-op thread: its few large kernels cost less than the tiled loop's per-call overhead. Re-derive with
@@ -65,7 +66,7 @@ def device_platform(device_type, device_index):
     """The ``Platform`` of a device, e.g. ``device_platform(query.device.type, query.device.index)``."""
     capability, memory = None, None
     if device_type == "cuda":
-        capability, memory = torch.cuda.get_device_capability(device_index), _cuda_memory(device_index)
+        capability, memory = device_capability(device_index), _cuda_memory(device_index)
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     return Platform(device_type, capability, torch.get_num_threads(), interpreted, memory)
 
@@ -122,26 +123,29 @@ def _eager(query, key, value, **kwargs):
     return plap_attention_eager(query, key, value, **kwargs)[0]
 
 
-# The Triton module imports triton (seconds) and, under TRITON_INTERPRET=1, the interpreter: loaded on first use.
-def _triton(query, key, value, **kwargs):
-    from .plap_attention_triton import plap_attention_triton
+# The Triton module imports triton (seconds) and, under TRITON_INTERPRET=1, the interpreter: loaded on first use, once
+# (an import statement costs ~1.4 us per call even when the module is loaded).
+@eager_cache
+def _triton_backend():
+    """(run, formulations, limits) of the Triton module."""
+    from .plap_attention_triton import FORMULATIONS, plap_attention_triton, triton_unsupported_reason
 
-    return plap_attention_triton(query, key, value, **kwargs)
+    return plap_attention_triton, FORMULATIONS, triton_unsupported_reason
+
+
+def _triton(query, key, value, **kwargs):
+    return _triton_backend()[0](query, key, value, **kwargs)
 
 
 def _triton_formulations():
-    from .plap_attention_triton import FORMULATIONS as TRITON_FORMULATIONS
-
-    return TRITON_FORMULATIONS
+    return _triton_backend()[1]
 
 
 def _triton_limits(query, key, value, *, platform, **kwargs):
     if platform.device_type == "cpu" and not platform.triton_interpreted:
         return "the Triton kernels need CUDA tensors (CPU tensors run only under TRITON_INTERPRET=1)"
-    from .plap_attention_triton import triton_unsupported_reason
-
-    return triton_unsupported_reason(query, key, value, **kwargs, device_type=platform.device_type,
-                                     capability=platform.capability)  # fmt: skip
+    return _triton_backend()[2](query, key, value, **kwargs, device_type=platform.device_type,
+                                capability=platform.capability)  # fmt: skip
 
 
 def _decode_limits(query, key, value, *, platform, **kwargs):
@@ -308,10 +312,18 @@ def _static_p(p, num_heads):
             return None, p
         values = p.tolist()
         values = [values] * num_heads if p.dim() == 0 else values
-        return tuple(float(v) for v in values), p if trains else None
+        return tuple(map(float, values)), p if trains else None
     if isinstance(p, (int, float)):
         return (float(p),) * num_heads, None
-    return tuple(float(v) for v in p), None
+    return tuple(map(float, p)), None
+
+
+@eager_cache
+def _checked_p(p_values):
+    """``p_values`` when every p is finite and >= 1 (checked once per tuple of values), else a ValueError."""
+    if not all(math.isfinite(v) and v >= 1 for v in p_values):
+        raise ValueError(f"p must be finite and >= 1; got {list(p_values)}")
+    return p_values
 
 
 @eager_cache
@@ -405,11 +417,12 @@ def plap_attention(
     _check_inputs(query, key, value, num_p, attn_mask, document_ids, eps, formulation)
     sliding_window = _checked_window(sliding_window, is_causal, key.shape[-2])
     query, key, value = _one_dtype(query, key, value)
-    if p_values is not None and not all(math.isfinite(v) and v >= 1 for v in p_values):
-        raise ValueError(f"p must be finite and >= 1; got {list(p_values)}")
+    if p_values is not None:
+        _checked_p(p_values)
     outputs, lengths = [], (query.shape[-2], key.shape[-2])
     for first, end, softmax in head_groups(None if p_tensor is not None else p_values, num_heads):
-        q, k, v = (_heads(t, first, end, num_heads) for t in (query, key, value))
+        q, k, v = (_heads(query, first, end, num_heads), _heads(key, first, end, num_heads),
+                   _heads(value, first, end, num_heads))
         mask = _heads(attn_mask, first, end, num_heads)
         if softmax:
             mask = mask if sliding_window is None else with_window(mask, sliding_window, *lengths, query.device)

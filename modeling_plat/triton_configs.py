@@ -167,6 +167,13 @@ def padded_head_size(head_dim):
     return max(16, 1 << (head_dim - 1).bit_length())
 
 
+@eager_cache
+def device_capability(device_index):
+    """The compute capability (major, minor) of a CUDA device, fixed for the process: asked once (the query costs
+    microseconds of host time at every call otherwise)."""
+    return torch.cuda.get_device_capability(device_index)
+
+
 def config_table(capability):
     """The generation of CONFIGS whose tiles a GPU of this compute capability (8.0 or later) runs: its family's for a
     checked capability, CONSERVATIVE_TABLE for any other."""

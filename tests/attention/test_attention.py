@@ -163,6 +163,7 @@ def test_euler_weights_rows_sum_to_one():
         (dict(p=[1.5, 2.5]), "one value per head"),
         (dict(p=0.5), ">= 1"),
         (dict(p=float("inf")), "finite"),
+        (dict(p=[1.5, float("nan"), 1.5, 2.5, 2.5]), "finite"),
         (dict(eps=0.0), "eps"),
         (dict(formulation="implicit"), "formulation"),
         (dict(backend="cuda-magic"), "backend"),
@@ -175,8 +176,9 @@ def test_bad_arguments_raise_clear_errors(kwargs, message):
     args = dict(p=1.5) | kwargs
     if "attn_mask" in args:  # built here, on the tests' device
         args["attn_mask"] = torch.ones(args["attn_mask"], dtype=args.pop("mask_dtype"), device=DEVICE)
-    with pytest.raises(ValueError, match=message):
-        plap_attention(q, k, v, **args)
+    for _ in range(2):  # and again: what is checked once per value (p) is not skipped for a bad one
+        with pytest.raises(ValueError, match=message):
+            plap_attention(q, k, v, **args)
 
 
 def test_bad_shapes_raise_clear_errors():

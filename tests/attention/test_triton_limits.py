@@ -38,9 +38,11 @@ def gpu(monkeypatch):
     def with_capability(capability):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
         monkeypatch.setattr(plap_dispatch, "_cuda_memory", lambda device_index: 80 * 2**30)
+        triton_configs.device_capability.cache_clear()  # asked once per process otherwise
         return FakeTensorMode(allow_non_fake_inputs=True)
 
-    return with_capability
+    yield with_capability
+    triton_configs.device_capability.cache_clear()
 
 
 def cuda_inputs(batch=2, heads=4, nq=128, nk=128, head_dim=64, value_dim=None, dtype=torch.bfloat16, mask=None):
@@ -92,6 +94,17 @@ def test_auto_picks_triton_only_where_compiled(gpu, capability):
                 with pytest.raises(ValueError, match="backend 'triton' cannot run this input: " + reason[:20]):
                     choose(q, k, v, attn_mask, backend="triton")
     assert ("triton" in choices) == (capability >= (8, 0))
+
+
+def test_the_compute_capability_is_asked_once_per_device(gpu, monkeypatch):
+    with gpu((9, 0)):
+        asked = []
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: asked.append(device) or (9, 0))
+        q, k, v, _ = cuda_inputs()
+        for _ in range(3):
+            assert choose(q, k, v, None) == "triton"
+            assert triton_module.triton_unsupported_reason(q, k, v, p=(1.5,)) is None
+    assert len(asked) == 1
 
 
 def test_the_rule_on_named_cases(gpu):
