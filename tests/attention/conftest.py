@@ -1,11 +1,14 @@
 """The kernels of the selected compile tests (test_triton_compile.py) compile in child processes from the first
-attention test on, instead of alone when their module comes: compilation is single-threaded, as most tests are, so
-that the children mostly run on the core the tests leave idle."""
+attention test on, instead of alone when their module comes, and those tests run last: compilation is
+single-threaded, as most tests are, so that the children mostly run on the core the tests leave idle, for as long as
+the rest of the session lasts (the sample takes longer than the attention tests before its module)."""
 
 import importlib.util
 
 import pytest
 from triton_aot import Compilation, case_id
+
+SAMPLE_TEST = "test_kernel_compiles_and_fits"
 
 
 def selected_cases(session, test_name):
@@ -18,6 +21,12 @@ def selected_cases(session, test_name):
     return list(cases.values())
 
 
+def pytest_collection_modifyitems(items):
+    compiling = [item for item in items if getattr(item, "originalname", None) == SAMPLE_TEST]
+    if compiling:
+        items[:] = [item for item in items if getattr(item, "originalname", None) != SAMPLE_TEST] + compiling
+
+
 def start_compiling(request, tmp_path_factory, test_name):
     cases = selected_cases(request.session, test_name)
     if not cases or importlib.util.find_spec("triton") is None:  # the compile tests skip without Triton
@@ -27,7 +36,7 @@ def start_compiling(request, tmp_path_factory, test_name):
 
 @pytest.fixture(scope="session", autouse=True)
 def sample_compilation(request, tmp_path_factory):
-    compilation = start_compiling(request, tmp_path_factory, "test_kernel_compiles_and_fits")
+    compilation = start_compiling(request, tmp_path_factory, SAMPLE_TEST)
     yield compilation
     if compilation is not None:
         compilation.close()  # the session ended before its tests (-x, a keyboard interrupt)
