@@ -33,10 +33,10 @@ def patch_language_once():
         from triton.runtime import interpreter
     except ImportError:
         return
-    patch, grid_call = getattr(interpreter, "_patch_lang", None), getattr(interpreter, "GridExecutor", None)
-    if patch is None or grid_call is None or getattr(patch, "once", False):
+    patch, executor = getattr(interpreter, "_patch_lang", None), getattr(interpreter, "GridExecutor", None)
+    if patch is None or executor is None or getattr(patch, "once", False):
         return
-    grid_code = grid_call.__call__.__code__
+    grid_code = executor.__call__.__code__
 
     class BothNames:  # what _patch_lang reads of a kernel: the modules its globals hold
         __globals__ = {"tl": tl, "core": tl.core}

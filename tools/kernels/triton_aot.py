@@ -259,6 +259,11 @@ def child_environment(cache_dir):
     return env
 
 
+def usable_cores():
+    """The CPU cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
 class Compilation:
     """Cases compiling in child processes without the interpreter, started at once; ``results()`` waits for them.
 
@@ -269,8 +274,7 @@ class Compilation:
 
     def __init__(self, cases, cache_dir, processes=None, seconds_per_case=60):
         env = child_environment(cache_dir)
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        processes = min(processes or cores, len(cases))
+        processes = min(processes or usable_cores(), len(cases))
         self.deadline = time.monotonic() + 30 + seconds_per_case * -(-len(cases) // processes)
         self.children = []
         try:
