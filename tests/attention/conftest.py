@@ -1,9 +1,10 @@
 """The kernels of the selected compile tests (test_triton_compile.py) compile in child processes from the first
 attention test on, instead of alone when their module comes, and those tests run last: compilation is
 single-threaded, as most tests are, so that the children run on the cores the tests leave idle, for as long as the
-rest of the session lasts (the sample takes longer than the attention tests before its module). Beside other tests
-the sample compiles in one child fewer than the cores: with one per core, the children and the tests shared the cores
-three ways on a 2-core machine until the sample was done, and a core then stood idle for the rest of the session."""
+rest of the session lasts (the sample takes longer than the attention tests before its module). Beside the tests of
+other modules the sample compiles in one child fewer than the cores: with one per core, the children and the tests
+shared the cores three ways on a 2-core machine until the sample was done, and a core then stood idle for the rest of
+the session."""
 
 import importlib.util
 
@@ -43,7 +44,9 @@ def start_compiling(request, tmp_path_factory, test_name, processes=None):
 
 @pytest.fixture(scope="session", autouse=True)
 def sample_compilation(request, tmp_path_factory):
-    beside_others = not all(is_test(item, SAMPLE_TEST) for item in request.session.items)
+    items = request.session.items
+    compile_modules = {item.path for item in items if is_test(item, SAMPLE_TEST)}
+    beside_others = any(item.path not in compile_modules for item in items)  # its module's other tests take no time
     processes = max(1, usable_cores() - 1) if beside_others else None
     compilation = start_compiling(request, tmp_path_factory, SAMPLE_TEST, processes)
     yield compilation
