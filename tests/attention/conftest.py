@@ -4,7 +4,8 @@ single-threaded, as most tests are, so that the children run on the cores the te
 rest of the session lasts (the sample takes longer than the attention tests before its module). Beside the tests of
 other modules the sample compiles in one child fewer than the cores: with one per core, the children and the tests
 shared the cores three ways on a 2-core machine until the sample was done, and a core then stood idle for the rest of
-the session."""
+the session. When the sample's tests come, the test process waits for the compilation, and children start on every
+core for the cases not yet taken (``triton_aot.Compilation``'s queue)."""
 
 import importlib.util
 

@@ -9,11 +9,11 @@ NVIDIA backend and the ``ptxas`` shipped in its wheel. No GPU or driver is invol
 The interpreter (TRITON_INTERPRET=1, set by the tests on CPU) replaces the kernels by interpreted
 functions, so compilation runs in child processes without it: a ``Compilation`` starts
 
-    python tools/kernels/triton_aot.py cases.json
+    python tools/kernels/triton_aot.py <queue folder>
 
-each of which prints one JSON line per kernel: shared memory bytes, registers and spills (from ``ptxas -v``),
-compile seconds and the Triton version, or the error, and for each launch the tensors that torch.compile takes as
-written by it (``written_arguments``).
+each of which takes cases from the queue until none is left and prints one JSON line per kernel: shared memory bytes,
+registers and spills (from ``ptxas -v``), compile seconds and the Triton version, or the error, and for each launch the
+tensors that torch.compile takes as written by it (``written_arguments``).
 
 The children import the installed Triton, or the one in the folder that ``PLAT_AOT_TRITON`` names (a
 ``pip install --no-deps --target`` of another version): a GPU runs the Triton its torch pins, not necessarily this
@@ -267,40 +267,56 @@ def usable_cores():
 class Compilation:
     """Cases compiling in child processes without the interpreter, started at once; ``results()`` waits for them.
 
-    ``cache_dir`` should be new and empty: a kernel found in Triton's cache would not be compiled again. The cases are
-    dealt round-robin to ``processes`` children (compilation is single-threaded), by default one per CPU core this
-    process may use.
+    ``cache_dir`` should be new and empty: a kernel found in Triton's cache would not be compiled again. The cases wait
+    in a queue of files there, one file a case, which the children take one at a time (``take_cases``): ``processes``
+    children (compilation is single-threaded) at first, by default one per CPU core this process may use, and as many
+    as those cores while ``results()`` waits, since the caller then leaves its own core to them.
     """
 
     def __init__(self, cases, cache_dir, processes=None, seconds_per_case=60):
-        env = child_environment(cache_dir)
-        processes = min(processes or usable_cores(), len(cases))
-        self.deadline = time.monotonic() + 30 + seconds_per_case * -(-len(cases) // processes)
+        self.env = child_environment(cache_dir)
+        self.queue = Path(cache_dir) / "queue"
+        (self.queue / "taken").mkdir(parents=True)
+        for index, case in enumerate(cases):
+            (self.queue / f"{index:05d}.json").write_text(json.dumps(case))
+        self.cases = len(cases)
         self.children = []
+        processes = min(processes or usable_cores(), len(cases))
+        self.deadline = time.monotonic() + 30 + seconds_per_case * -(-len(cases) // max(processes, 1))
         try:
-            for index in range(processes):
-                share = Path(cache_dir) / f"cases-{index}.json"
-                share.write_text(json.dumps(cases[index::processes]))
-                command = [sys.executable, str(Path(__file__).resolve()), str(share)]
-                # Files, not pipes: a child whose pipe filled would wait until the children before it had finished.
-                with open(share.with_suffix(".out"), "w") as out, open(share.with_suffix(".err"), "w") as err:
-                    child = subprocess.Popen(command, stdout=out, stderr=err, env=env, cwd=ROOT)
-                self.children.append((share, child))
+            self._start(processes)
         except BaseException:
             self.close()
             raise
 
+    def _waiting(self):
+        return sorted(self.queue.glob("*.json"))
+
+    def _start(self, processes):
+        """Children up to ``processes`` of them running, as long as cases wait."""
+        running = sum(child.poll() is None for _, child in self.children)
+        for _ in range(min(processes - running, len(self._waiting()))):
+            output = self.queue / f"child-{len(self.children)}"
+            # Files, not pipes: a child whose pipe filled would wait until the children before it had finished.
+            with open(output.with_suffix(".out"), "w") as out, open(output.with_suffix(".err"), "w") as err:
+                child = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), str(self.queue)], stdout=out,
+                                         stderr=err, env=self.env, cwd=ROOT)  # fmt: skip
+            self.children.append((output, child))
+
     def results(self):
         """The result dicts of every case's kernels."""
         try:
+            self._start(usable_cores())
             results = []
-            for share, child in self.children:
+            for output, child in self.children:
                 child.wait(timeout=max(self.deadline - time.monotonic(), 1))
                 if child.returncode != 0:
-                    stderr = share.with_suffix(".err").read_text()
+                    stderr = output.with_suffix(".err").read_text()
                     raise RuntimeError(f"the compile process failed ({child.returncode}):\n{stderr[-4000:]}")
-                output = share.with_suffix(".out").read_text()
-                results += [json.loads(line) for line in output.splitlines() if line.startswith("{")]
+                results += [json.loads(line) for line in output.with_suffix(".out").read_text().splitlines()
+                            if line.startswith("{")]  # fmt: skip
+            if self._waiting():
+                raise RuntimeError(f"{len(self._waiting())} of {self.cases} cases were left uncompiled")
             return results
         finally:
             self.close()
@@ -313,12 +329,23 @@ class Compilation:
                 child.wait()
 
 
+def take_cases(queue):
+    """The cases of a Compilation's queue (a folder of one JSON file a case), each taken by moving its file to
+    ``taken/``: a move that only one of the processes taking from the queue can make."""
+    for path in sorted(queue.glob("*.json")):
+        try:
+            path.rename(queue / "taken" / path.name)
+        except FileNotFoundError:  # another child took it
+            continue
+        yield json.loads((queue / "taken" / path.name).read_text())
+
+
 def main():
     from modeling_plat import plap_attention_triton as triton_module
 
     if triton_module.INTERPRETED:
         sys.exit("TRITON_INTERPRET is set: the kernels are interpreted functions and cannot be compiled")
-    for case in json.loads(Path(sys.argv[1]).read_text()):
+    for case in take_cases(Path(sys.argv[1])):
         for result in compile_case(triton_module, case):
             print(json.dumps(result), flush=True)
 
