@@ -67,9 +67,9 @@ def step_row(result, step, device, baseline=None, ratio="ratio"):
     return row
 
 
-def train_pair(pair, batch_size, device, warmup, repeats, log):
+def train_pair(pair, batch_size, device, warmup, repeats, log, host_repeats=HOST_REPEATS):
     """Rows of one bench_train_step pair, its models timed side by side, the last model (transformers' twin) the
-    baseline of each ratio."""
+    baseline of each ratio; each model's host time and device work measured over ``host_repeats`` more steps."""
     from bench_train_step import PAIRS, batches
 
     models = PAIRS[pair][0]("auto")
@@ -84,8 +84,8 @@ def train_pair(pair, batch_size, device, warmup, repeats, log):
         row.update(step_row(results[name], steps[name], device, results[baseline]))
         if "error" not in row:
             try:
-                row.update(host=host_times(steps[name], device, HOST_REPEATS),
-                           work=device_work(steps[name], device, HOST_REPEATS))  # fmt: skip
+                row.update(host=host_times(steps[name], device, host_repeats),
+                           work=device_work(steps[name], device, host_repeats))  # fmt: skip
             except Exception as error:
                 row.update(error_fields(error))
         log(f"train {name}: {row.get('step_ms', row.get('error'))} ms, {row.get('ratio')} x {baseline} (paired; "
@@ -97,11 +97,11 @@ def train_pair(pair, batch_size, device, warmup, repeats, log):
     return rows
 
 
-def train_section(device, log, batches=TRAIN_BATCHES, warmup=3, repeats=10):
+def train_section(device, log, batches=TRAIN_BATCHES, warmup=3, repeats=10, host_repeats=HOST_REPEATS):
     rows = []
     for pair, batch_size in batches.items():
         try:
-            rows.extend(train_pair(pair, batch_size, device, warmup, repeats, log))
+            rows.extend(train_pair(pair, batch_size, device, warmup, repeats, log, host_repeats))
         except Exception as error:
             rows.append(dict(name=pair, pair=pair, **error_fields(error)))
         if device.type == "cuda":

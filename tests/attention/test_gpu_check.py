@@ -300,7 +300,7 @@ def test_paired_ratio_is_the_median_of_each_rounds_ratio():
 
 
 def test_train_section_on_cpu():
-    rows = train_section(CPU, quiet, batches={"ptb": 2}, warmup=0, repeats=2)
+    rows = train_section(CPU, quiet, batches={"ptb": 2}, warmup=0, repeats=2, host_repeats=1)
     assert [row["name"] for row in rows] == ["plat-ptb-tiny", "softmax-ptb-tiny"]
     plat, softmax = rows
     assert plat["step_ms"] > 0 and plat["baseline"] == "softmax-ptb-tiny" and softmax["ratio"] == 1.0
