@@ -275,10 +275,7 @@ class Compilation:
 
     def __init__(self, cases, cache_dir, processes=None, seconds_per_case=60):
         self.env = child_environment(cache_dir)
-        self.queue = Path(cache_dir) / "queue"
-        (self.queue / "taken").mkdir(parents=True)
-        for index, case in enumerate(cases):
-            (self.queue / f"{index:05d}.json").write_text(json.dumps(case))
+        self.queue = queue_cases(Path(cache_dir) / "queue", cases)
         self.children = []
         processes = min(processes or usable_cores(), len(cases))
         self.deadline = time.monotonic() + 30 + seconds_per_case * -(-len(cases) // max(processes, 1))
@@ -321,6 +318,14 @@ class Compilation:
             if child.poll() is None:
                 child.kill()
                 child.wait()
+
+
+def queue_cases(queue, cases):
+    """A new queue folder holding ``cases`` in their order, one JSON file a case, for ``take_cases``."""
+    (queue / "taken").mkdir(parents=True)
+    for index, case in enumerate(cases):
+        (queue / f"{index:05d}.json").write_text(json.dumps(case))
+    return queue
 
 
 def take_cases(queue):
