@@ -41,10 +41,11 @@ def _tile_grads(q, k, query_side, key_side, bounds, grad_out, row_stats, V, rows
     num_queries, num_keys = sizes
     scale_log2, exponent, eps = head
     lse, delta, own_dot = row_stats
-    scores = masked_scores(pair_dot(q, k, QUERY_AXIS, None, CHUNK, HEAD_DIM) * scale_log2, rows, cols, sizes, masks,
-                           MASKED=MASKED, IS_CAUSAL=IS_CAUSAL, HAS_WINDOW=HAS_WINDOW, HAS_KEY_MASK=HAS_KEY_MASK,
-                           HAS_DOCUMENTS=HAS_DOCUMENTS, QUERY_AXIS=QUERY_AXIS)  # [BF, BL]  # fmt: skip
-    attn = tl.exp2(scores - per_query(lse, QUERY_AXIS))
+    # s - lse in one FMA (+inf lse of fully masked rows: -inf, as masked pairs)
+    shifted = tl.fma(pair_dot(q, k, QUERY_AXIS, None, CHUNK, HEAD_DIM), scale_log2, -per_query(lse, QUERY_AXIS))
+    attn = tl.exp2(masked_scores(shifted, rows, cols, sizes, masks, MASKED=MASKED, IS_CAUSAL=IS_CAUSAL,
+                                 HAS_WINDOW=HAS_WINDOW, HAS_KEY_MASK=HAS_KEY_MASK, HAS_DOCUMENTS=HAS_DOCUMENTS,
+                                 QUERY_AXIS=QUERY_AXIS))  # [BF, BL]  # fmt: skip
     dist_eps, is_self, has_close = distances(query_side, key_side, bounds, V, rows, cols, num_keys,
                                              num_keys - num_queries, eps, VALUE_DIM=VALUE_DIM, MASKED=MASKED,
                                              QUERY_AXIS=QUERY_AXIS, EXACT=EXACT, CHUNK=CHUNK)  # fmt: skip
@@ -60,7 +61,7 @@ def _tile_grads(q, k, query_side, key_side, bounds, grad_out, row_stats, V, rows
             weights = tl.where(is_self, 0.0, weights)
         grad_w -= per_query(own_dot, QUERY_AXIS)  # dW = G - dU.v_x
     weighted = weights * grad_w
-    grad_scores = weighted - attn * per_query(delta, QUERY_AXIS)
+    grad_scores = tl.fma(-attn, per_query(delta, QUERY_AXIS), weighted)
     grad_dist = (-2 * exponent) * weighted * inv_dist
     if MASKED:  # self pairs
         grad_dist = tl.where(dist_eps == eps, 0.0, grad_dist)

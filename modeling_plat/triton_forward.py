@@ -47,8 +47,8 @@ def _forward_tile(row_max, row_sum, off_sum, acc, queries, keys, head, sizes, st
                            HAS_DOCUMENTS=HAS_DOCUMENTS, QUERY_AXIS=0)  # [BM, BN]  # fmt: skip
     new_max = tl.maximum(row_max, tl.max(scores, 1) * scale_log2)  # [BM]
     rescale = tl.exp2(row_max - new_max)
-    expo = tl.exp2(scores * scale_log2 - new_max[:, None])  # [BM, BN]
-    row_sum = row_sum * rescale + tl.sum(expo, 1)
+    expo = tl.exp2(tl.fma(scores, scale_log2, -new_max[:, None]))  # [BM, BN]
+    row_sum = tl.fma(row_sum, rescale, tl.sum(expo, 1))
     # [BM, BN] distances + eps, [BM, BN] self pairs, [BM] rows with close pairs
     dist_eps, is_self, has_close = distances((v_query_m2, sq_query_eps), (values, key_norms), bounds, V, rows, cols,
                                              num_keys, num_keys - num_queries, eps, VALUE_DIM=VALUE_DIM, MASKED=MASKED,
@@ -60,7 +60,7 @@ def _forward_tile(row_max, row_sum, off_sum, acc, queries, keys, head, sizes, st
     if EULER:
         if MASKED:
             weights = tl.where(is_self, 0.0, weights)
-        off_sum = off_sum * rescale + tl.sum(weights, 1)
+        off_sum = tl.fma(off_sum, rescale, tl.sum(weights, 1))
     acc = acc * rescale[:, None] + tl.dot(weights.to(values.dtype), values, input_precision=FLOAT32_DOT)
     return new_max, row_sum, off_sum, acc, has_close
 

@@ -214,7 +214,7 @@ def power(dist_eps, exponent, POWER: tl.constexpr):
     else:
         rsqrt = tl.rsqrt(dist_eps)
         rising = tl.where(exponent > 0, 1.0, 0.0)
-        return tl.sqrt(rsqrt * (dist_eps * rising + (1.0 - rising))), rsqrt * rsqrt
+        return tl.sqrt(rsqrt * tl.fma(dist_eps, rising, 1.0 - rising)), rsqrt * rsqrt
 
 
 @jit
@@ -486,13 +486,13 @@ def distances(query_side, key_side, bounds, V, rows, cols, num_keys, offset, eps
     if QUERY_AXIS == 0:  # the queries are the fixed block
         loop_norms = per_key(key_norms, QUERY_AXIS)
         sq_sums = tl.fma(loop_norms, loop_norms, per_query(query_norms, QUERY_AXIS))  # [BF, BL]
-        dist_eps = sq_sums - 2 * value_dot if CHUNK else pair_dot(v_query, values, QUERY_AXIS, sq_sums)
+        dist_eps = tl.fma(value_dot, -2.0, sq_sums) if CHUNK else pair_dot(v_query, values, QUERY_AXIS, sq_sums)
         sq_query_eps = query_norms
     else:
         loop_norms = per_query(query_norms, QUERY_AXIS)
         sq_sums = tl.fma(loop_norms, loop_norms, per_key(key_norms, QUERY_AXIS))  # [BF, BL]
-        dist_eps = sq_sums - 2 * (value_dot if CHUNK else pair_dot(v_query, values, QUERY_AXIS))
-        sq_query_eps = query_norms * query_norms + eps
+        dist_eps = tl.fma(value_dot if CHUNK else pair_dot(v_query, values, QUERY_AXIS), -2.0, sq_sums)
+        sq_query_eps = tl.fma(query_norms, query_norms, eps)
     is_self = per_key(cols, QUERY_AXIS) == per_query(rows, QUERY_AXIS) + offset
     if MASKED:
         inside = (per_query(rows, QUERY_AXIS) < num_keys - offset) & (per_key(cols, QUERY_AXIS) < num_keys)
@@ -508,7 +508,7 @@ def distances(query_side, key_side, bounds, V, rows, cols, num_keys, offset, eps
             query_value = tl.load(V[0] + (rows + offset) * V[1] + dim, mask=query_in, other=0.0).to(tl.float32)
             key_value = tl.load(V[0] + cols * V[1] + dim, mask=key_in, other=0.0).to(tl.float32)
             diff = per_query(query_value, QUERY_AXIS) - per_key(key_value, QUERY_AXIS)
-            dist_eps += diff * diff
+            dist_eps = tl.fma(diff, diff, dist_eps)
         bound = COINCIDING * (sq_sums - eps)
         dist_eps = tl.where(dist_eps <= bound, 0.0, dist_eps) + eps
     if MASKED:

@@ -1,6 +1,6 @@
 """A static cost model of the fused Triton kernels on NVIDIA GPUs, computed on a machine without one.
 
-    python tools/kernels/gpu_static_cost.py [--quick] [--json results.json]
+    python tools/kernels/gpu_static_cost.py [--quick] [--unfused] [--json results.json]
 
 Each kernel (forward, dK/dV, dQ) is compiled for sm_90 (H100) and sm_80 (A100) with the launch configuration
 that the Triton backend uses there (tools/kernels/triton_aot.py: Triton's compiler and the ptxas of its wheel), then
@@ -27,6 +27,11 @@ instructions each score needs, meant for comparing kernels compiled the same way
 softmax-only FlashAttention-2-style forward (tools/kernels/flash_baseline_kernel.py) compiled for the same
 architecture, dtype and head size; its backward is counted as 2.5 forwards. "paper mix" is the paper's heads:
 half with p = 1.5, half with p = 2.5 (the time per score is their mean).
+
+``--unfused`` compiles the p-LaT kernels once more without floating-point fusion (``enable_fp_fusion=False``), as
+torch.compile's launches compile them where Triton's default is off (announced for Triton 3.10: Inductor passes user
+kernels no fusion option), and prints their main loops' instructions per score beside (``unfused``): the kernels write
+their loops' multiply-adds as FMAs (``tl.fma``), so that the two counts should be equal.
 
 Needs Triton with its NVIDIA backend; TRITON_INTERPRET must not be set. A full sweep takes a few minutes.
 """
@@ -218,8 +223,14 @@ def analyse_once(launch, arch, cache):
     return cache[key]
 
 
-def run_case(case, cache):
-    """The kernels of one case: per kernel its analysis, averaged over the paper mix for the plat kernels."""
+def without_fusion(launch):
+    """The launch compiled without floating-point fusion: each multiply and add rounded apart, as written."""
+    return launch._replace(meta=dict(launch.meta, enable_fp_fusion=False))
+
+
+def run_case(case, cache, unfused=False):
+    """The kernels of one case: per kernel its analysis, averaged over the paper mix for the plat kernels, and where
+    ``unfused`` the instructions per score of the plat kernels compiled ``without_fusion`` (``unfused``)."""
     from flash_baseline_kernel import baseline_launch
 
     from modeling_plat import plap_attention_triton as triton_module
@@ -227,16 +238,20 @@ def run_case(case, cache):
     def memo(launch):
         return analyse_once(launch, case["arch"], cache)
 
-    kernels = collections.defaultdict(list)
+    kernels, unfused_counts = collections.defaultdict(list), collections.defaultdict(list)
     for p in PAPER_MIX:
         for name, launch in plat_launches(triton_module, case, p).items():
             kernels[name].append(memo(launch))
+            if unfused:
+                unfused_counts[name].append(memo(without_fusion(launch))["per_score"]["instructions"])
     dtype = getattr(torch, case["dtype"])
     query = torch.zeros(2, 3, case["num_queries"], case["head_dim"], dtype=dtype)
     config = baseline_config(triton_module, dtype, case["head_dim"])
     stats = torch.zeros(2, 3, case["num_queries"])
     launch = baseline_launch(query, torch.zeros_like(query), stats, case["is_causal"], config, triton_module.Launch)
     result = {name: mix(analyses) for name, analyses in kernels.items()}
+    for name, counts in unfused_counts.items():
+        result[name] = dict(result[name], unfused=sum(counts) / len(counts))
     result["baseline"] = memo(launch)
     base = result["baseline"]["clocks"]
     result["ratios"] = dict(
@@ -294,7 +309,7 @@ def table(records):
     """The terminal table: one row per kernel of each case."""
     header = (f"{'case':<34} {'kernel':<8} {'instr':>6} {'mma':>5} {'mufu':>5} {'mufu by function':<26} "
               f"{'fp32':>5} {'conv':>5} {'smem':>5} {'regs':>4} {'spill':>5} {'loop':>4} {'shared':>6} {'mma kind':<8} "
-              f"{'warn':<5} {'bound':<6} {'clk':>6} {'x base':>6} {'rare':>6}")  # fmt: skip
+              f"{'warn':<5} {'bound':<6} {'clk':>6} {'x base':>6} {'rare':>6} {'unfused':>7}")  # fmt: skip
     lines = [header, "-" * len(header)]
     for record in records:
         result = record["result"]
@@ -308,7 +323,8 @@ def table(records):
                 f"{functions:<26} {s['fp32']:>5.1f} {s['conversions']:>5.2f} {s['shared_ops']:>5.2f} "
                 f"{a['registers'] or 0:>4} {a['spill_stores'] or 0:>5} {a['loop_spills']:>4} {a['shared']:>6} "
                 f"{a['mma_kind']:<8} {','.join(a['warnings']) or '-':<5} {a['bound']:<6} {a['clocks']:>6.3f} "
-                f"{a['clocks'] / base:>6.2f} {s['rare_branch']:>6.1f}"
+                f"{a['clocks'] / base:>6.2f} {s['rare_branch']:>6.1f} "
+                f"{format(a['unfused'], '7.1f') if 'unfused' in a else '-':>7}"
             )
         ratios = result["ratios"]
         lines.append(f"{record['name']:<34} estimated time / baseline: forward {ratios['fwd']:.2f}x, "
@@ -319,12 +335,15 @@ def table(records):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="sm_90, bfloat16, head size 64, not causal, paper")
+    parser.add_argument("--unfused", action="store_true",
+                        help="also count the p-LaT kernels compiled without floating-point fusion")
     parser.add_argument("--json", type=Path, help="write every figure to this file")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         sys.exit("TRITON_INTERPRET is set: the kernels are interpreted functions and cannot be compiled")
     cache = {}
-    records = [dict(name=case_name(case), case=case, result=run_case(case, cache)) for case in sweep(args.quick)]
+    records = [dict(name=case_name(case), case=case, result=run_case(case, cache, args.unfused))
+               for case in sweep(args.quick)]  # fmt: skip
     print("Static estimate (instructions per score of each kernel's main loop; clk = estimated SM clocks per score)")
     print("throughputs per SM and clock:", json.dumps(THROUGHPUT))
     print(table(records))
