@@ -2,6 +2,7 @@
 
     python tools/kernels/gpu_time_model.py              # today's kernels at the kernel-speed targets' shapes
     python tools/kernels/gpu_time_model.py --calibrate  # refit LATENCY_HIDING on the measured kernels (CALIBRATIONS)
+    python tools/kernels/gpu_time_model.py --as-compiled  # also as torch.compile compiles them, against eager
 
 ``gpu_static_cost.py`` counts what each score costs at the pipes' full rate. Nsight Compute on an H200 showed the
 kernels far from it: at 207-255 registers per thread one block of 8 warps fits an SM, 2 warps per scheduler, and the
@@ -340,18 +341,32 @@ def peak_bytes(triton_module, batch, heads, tokens, head_dim, p, dtype=torch.bfl
     return live.peak
 
 
-def analyses(head_dims, p_values):
+def as_torch_compile_builds(launch):
+    """The launch as Inductor compiles it under torch.compile: without the first passes' register caps, which it passes
+    no user kernel (``triton_launcher.UNTRACED_OPTIONS``). It leaves floating-point fusion to Triton's default too,
+    which the main loops do not depend on (``gpu_static_cost.py --unfused``): the launch keeps the eager one's, so that
+    kernels without a cap are the eager ones."""
+    return launch._replace(meta={name: value for name, value in launch.meta.items() if name != "maxnreg"})
+
+
+# gpu_static_cost.analyse_once's memo for every call of ``analyses`` in this process: Triton's cache, which lasts as
+# long, hands a kernel compiled before back without the log that holds its registers.
+_ANALYSED = {}
+
+
+def analyses(head_dims, p_values, compiled=False):
     """{(kernel, head_dim, p): gpu_static_cost analysis} of the kernels that ``modeling_plat`` holds now, compiled for
-    sm_90, bf16, causal."""
+    sm_90, bf16, causal, as the eager launches build them or, where ``compiled``, as torch.compile does."""
     from modeling_plat import plap_attention_triton as triton_module
 
-    result, cache = {}, {}
+    result = {}
     for head_dim in head_dims:
         for p in p_values:
             case = dict(arch=GPU["arch"], dtype="bfloat16", head_dim=head_dim, value_dim=head_dim, is_causal=True,
                         key_mask=False, euler=False, num_queries=1024, num_keys=1024, p=p)  # fmt: skip
             for kernel, launch in gpu_static_cost.plat_launches(triton_module, case, p).items():
-                result[kernel, head_dim, p] = gpu_static_cost.analyse_once(launch, GPU["arch"], cache)
+                launch = as_torch_compile_builds(launch) if compiled else launch
+                result[kernel, head_dim, p] = gpu_static_cost.analyse_once(launch, GPU["arch"], _ANALYSED)
     return result
 
 
@@ -471,13 +486,15 @@ def calibrate():
     return ready, bandwidth
 
 
-def report_targets():
-    """Today's kernels at the targets' shapes: predicted times and ratios to SDPA's measured ones."""
+def report_targets(compiled=False):
+    """Today's kernels at the targets' shapes: predicted times and ratios to SDPA's measured ones; ``compiled``: the
+    kernels as torch.compile compiles them (``as_torch_compile_builds``)."""
     from modeling_plat import plap_attention_triton as triton_module
 
-    found = analyses(sorted({t["shape"][3] for t in TARGETS}), PAPER_MIX)
+    found = analyses(sorted({t["shape"][3] for t in TARGETS}), PAPER_MIX, compiled)
     print(f"predicted on sm_90 (H200 + H100 calibration: LATENCY_HIDING = {LATENCY_HIDING}, auxiliary operations at "
-          f"{AUXILIARY_BANDWIDTH:.3g} B/s), bf16, causal, p mix {PAPER_MIX}")
+          f"{AUXILIARY_BANDWIDTH:.3g} B/s), bf16, causal, p mix {PAPER_MIX}, "
+          f"{'as torch.compile compiles the kernels' if compiled else 'as the eager launches compile the kernels'}")
     for (kernel, head_dim, p), analysis in sorted(found.items(), key=lambda item: (item[0][1], item[0][0])):
         blocks, warps = residency(analysis["registers"], analysis["config"]["num_warps"], analysis["shared"])
         config = analysis["config"]
@@ -517,6 +534,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--calibrate", action="store_true", help="refit on the measured kernels (CALIBRATIONS)")
     parser.add_argument("--calibration-inputs", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--as-compiled", action="store_true",
+                        help="also predict the kernels as torch.compile compiles them, against the eager ones")
     parser.add_argument("--json", type=Path, help="write the predictions to this file")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
@@ -527,8 +546,15 @@ def main(argv=None):
         calibrate()
         return 0
     rows = report_targets()
+    record = dict(latency_hiding=LATENCY_HIDING, bandwidth=AUXILIARY_BANDWIDTH, rows=rows)
+    if args.as_compiled:
+        record["compiled_rows"] = report_targets(compiled=True)
+        print("as torch.compile compiles the kernels, against the eager launches:")
+        for eager, compiled in zip(rows, record["compiled_rows"]):
+            print(f"  {eager['shape']}: forward {compiled['forward_ms'] / eager['forward_ms']:.2f}x, forward + backward "
+                  f"{compiled['both_ms'] / eager['both_ms']:.2f}x")  # fmt: skip
     if args.json:
-        args.json.write_text(json.dumps(dict(latency_hiding=LATENCY_HIDING, bandwidth=AUXILIARY_BANDWIDTH, rows=rows)))
+        args.json.write_text(json.dumps(record))
     return 0
 
 

@@ -172,3 +172,18 @@ def test_calibration_reproduces_the_fitted_constants(model, capsys):
     assert len(errors) == 17 and all(abs(error) <= 20 for error in errors), errors
     peaks = [float(line.split()[-1].strip("()%+")) for line in out.splitlines() if "MiB against" in line]
     assert len(peaks) == len(model.MEASURED_PEAK_MIB) and all(abs(error) <= 2 for error in peaks), peaks
+
+
+def test_the_compiled_view_drops_the_register_caps_only(model):
+    """``--as-compiled`` predicts the kernels without what Inductor passes no user kernel: the first passes' caps."""
+    import gpu_static_cost
+
+    case = dict(arch=90, dtype="bfloat16", head_dim=64, value_dim=64, is_causal=True, key_mask=False, euler=False,
+                num_queries=1024, num_keys=1024)  # fmt: skip
+    launches = gpu_static_cost.plat_launches(triton_module, case, 1.5)
+    capped = [launch for launch in launches.values() if launch.meta.get("maxnreg")]
+    assert capped  # the sm_90 table caps the first passes at head size 64
+    for launch in launches.values():
+        compiled = model.as_torch_compile_builds(launch)
+        assert compiled.meta == {name: value for name, value in launch.meta.items() if name != "maxnreg"}
+        assert compiled.meta["enable_fp_fusion"] and compiled.args is launch.args and compiled.kernel is launch.kernel
