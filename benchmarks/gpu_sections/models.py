@@ -180,10 +180,12 @@ def compiled_generation_row(preset, model, device, compiler, new_tokens):
                 tokens_equal_eager=torch.equal(tokens, expected), backends=dict(chosen), **dynamo_counts())  # fmt: skip
 
 
-def compiled_attention_row(name, shape, formulation, device, compiler):
+def compiled_attention_row(name, shape, formulation, device, compiler, warmup, repeats):
     """plap_attention's output and the gradients of q, k and v, compiled (fullgraph) against eager on the same inputs:
     on a GPU the fused kernels as Inductor launches them, with their arguments functionalized (each tensor a kernel
-    writes is cloned and copied back), which an argument that aliased a written one would break."""
+    writes is cloned and copied back), which an argument that aliased a written one would break. ``timing``: the
+    compiled forward + backward against the eager one, side by side (Inductor compiles the kernels without their
+    register caps: docs/models.md)."""
     batch, heads, length, head_dim, causal = shape
     q, k, v, grad_out = bf16_attention_inputs(batch, heads, length, head_dim, device)
     p = tuple(paper_p_mix(heads))
@@ -199,14 +201,20 @@ def compiled_attention_row(name, shape, formulation, device, compiler):
 
     expected = forward_backward(attend)
     fresh_dynamo()
+    compiled_attend = torch.compile(attend, backend=compiler, fullgraph=True)
     with backend_spy() as chosen:
-        compiled = forward_backward(torch.compile(attend, backend=compiler, fullgraph=True))
+        compiled = forward_backward(compiled_attend)
     errors = {part: relative_error(ours, reference)
               for part, ours, reference in zip(("out", "grad_q", "grad_k", "grad_v"), compiled, expected)}  # fmt: skip
     tolerance = TOLERANCE["bfloat16"]
     row.update(errors=errors, tolerance=tolerance, backends=dict(chosen), **dynamo_counts())
     row["failures"] = [f"{part}: relative error {error:.2e} > {tolerance}" for part, error in errors.items()
                        if not error <= tolerance]  # fmt: skip
+    steps = {"compiled": lambda: forward_backward(compiled_attend), "eager": lambda: forward_backward(attend)}
+    results = side_by_side(steps, device, warmup, repeats)
+    row["timing"] = step_row(results["compiled"], steps["compiled"], device, results["eager"], ratio="ratio_to_eager")
+    if "seconds" in results["eager"]:
+        row["timing"]["eager_ms"] = statistics.median(results["eager"]["seconds"]) * 1e3
     return row
 
 
@@ -218,11 +226,11 @@ def compile_section(device, log, presets=COMPILE_PRESETS, cuda_graphs_preset=CUD
     rows = []
     for (name, shape), formulation in itertools.product(attention_shapes.items(), ("paper", "euler")):
         try:
-            rows.append(compiled_attention_row(name, shape, formulation, device, compiler))
+            rows.append(compiled_attention_row(name, shape, formulation, device, compiler, warmup, repeats))
         except Exception as error:
             rows.append(dict(name=f"{name}/attention-{formulation}", kind="attention", **error_fields(error)))
         log(f"compile {rows[-1]['name']}: " + json.dumps({key: rows[-1].get(key) for key in (
-            "errors", "backends", "graph_breaks", "error")}))
+            "errors", "backends", "graph_breaks", "timing", "error")}))
     for preset in presets:
         try:
             compiled, eager = compile_pair(preset, backend=compiler)("auto").values()
