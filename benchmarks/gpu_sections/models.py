@@ -17,7 +17,7 @@ from modeling_plat import paper_p_mix
 from modeling_plat.plap_dispatch import plap_attention
 
 from .attention import ATTENTION_SHAPES
-from .kernels import device_work, host_times
+from .kernels import device_work, host_times, kernel_times
 from .measure import (ROOT, TOLERANCE, backend_spy, bf16_attention_inputs, error_fields, paired_ratio, peak_memory_mib,
                       relative_error, side_by_side, synchronize, timed, to_device)  # fmt: skip
 
@@ -184,8 +184,9 @@ def compiled_attention_row(name, shape, formulation, device, compiler, warmup, r
     """plap_attention's output and the gradients of q, k and v, compiled (fullgraph) against eager on the same inputs:
     on a GPU the fused kernels as Inductor launches them, with their arguments functionalized (each tensor a kernel
     writes is cloned and copied back), which an argument that aliased a written one would break. ``timing``: the
-    compiled forward + backward against the eager one, side by side (Inductor compiles the kernels without their
-    register caps: docs/models.md)."""
+    compiled forward + backward against the eager one, side by side, and each p-LaT kernel's microseconds per call in
+    both (``plap_kernel_us``, over HOST_REPEATS calls): Inductor compiles the kernels without their register caps
+    (docs/models.md)."""
     batch, heads, length, head_dim, causal = shape
     q, k, v, grad_out = bf16_attention_inputs(batch, heads, length, head_dim, device)
     p = tuple(paper_p_mix(heads))
@@ -215,6 +216,14 @@ def compiled_attention_row(name, shape, formulation, device, compiler, warmup, r
     row["timing"] = step_row(results["compiled"], steps["compiled"], device, results["eager"], ratio="ratio_to_eager")
     if "seconds" in results["eager"]:
         row["timing"]["eager_ms"] = statistics.median(results["eager"]["seconds"]) * 1e3
+    try:
+        kernels = {name: kernel_times(step, device, HOST_REPEATS) for name, step in steps.items()}
+        row["timing"]["plap_kernel_us"] = {
+            kernel: {name: kernels[name].get(kernel, {}).get("us") for name in steps}
+            for kernel in sorted({*kernels["compiled"], *kernels["eager"]}) if kernel.startswith("plap_")
+        }  # fmt: skip
+    except Exception as error:
+        row["timing"].update(error_fields(error))
     return row
 
 

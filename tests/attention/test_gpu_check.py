@@ -330,6 +330,7 @@ def test_compile_section_on_cpu(tmp_path):
         timing = row["timing"]  # one round, side by side
         assert timing["ratio_range"][0] == timing["ratio_to_eager"] == timing["ratio_range"][1] > 0, timing
         assert timing["step_ms"] > 0 and timing["eager_ms"] > 0 and timing["backends"] == {}, timing  # traced once
+        assert all(kernel.startswith("plap_") for kernel in timing["plap_kernel_us"]), timing  # CUDA kernels only
     assert "error" not in step and step["graph_breaks"] == 0 and step["graphs"] == 1, step
     (chosen,) = step["backends"]  # the backend compiled in is the one eager runs
     assert step["ratio_to_eager"] > 0 and step["backends"] == {chosen: 1}  # 3 calls, counted once while tracing
