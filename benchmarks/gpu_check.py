@@ -44,10 +44,10 @@ and main-job), this script runs them within the budget and writes the record:
 - compile: bfloat16 plap_attention compiled (fullgraph) against eager at the paper LM's shape and a causal 2k, each
   formulation: the output and the gradients of q, k and v within bfloat16's tolerance (the kernels as Inductor
   launches them, their written arguments functionalized) and the compiled forward + backward's time against eager's
-  (``timing``: Inductor compiles the kernels without their register caps); the plat-ptb-tiny and plat-llama-tiny presets' training
-  steps under torch.compile(fullgraph=True) against eager (the first call's time, then steps and ratio_to_eager,
-  graphs, graph breaks), the first also with mode="reduce-overhead" (CUDA graphs), and greedy generation with
-  model.forward compiled (fullgraph): graphs, tokens against eager.
+  (``timing``, each p-LaT kernel's too: Inductor compiles the kernels without their register caps); the plat-ptb-tiny
+  and plat-llama-tiny presets' training steps under torch.compile(fullgraph=True) against eager (the first call's
+  time, then steps and ratio_to_eager, graphs, graph breaks), the first also with mode="reduce-overhead" (CUDA
+  graphs), and greedy generation with model.forward compiled (fullgraph): graphs, tokens against eager.
 - fallback: where the kernels cannot run (a (B, H, N, N) mask), the eager and tiled backends' forward + backward
   time and peak memory at 512, 2k and 8k tokens: what auto should take on CUDA.
 - decode: greedy decoding with the KV cache in bfloat16, benchmarks/bench_decode.py's GPT-2 and Llama shapes

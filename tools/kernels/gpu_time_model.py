@@ -551,8 +551,8 @@ def main(argv=None):
         record["compiled_rows"] = report_targets(compiled=True)
         print("as torch.compile compiles the kernels, against the eager launches:")
         for eager, compiled in zip(rows, record["compiled_rows"]):
-            print(f"  {eager['shape']}: forward {compiled['forward_ms'] / eager['forward_ms']:.2f}x, forward + backward "
-                  f"{compiled['both_ms'] / eager['both_ms']:.2f}x")  # fmt: skip
+            print(f"  {eager['shape']}: forward {compiled['forward_ms'] / eager['forward_ms']:.2f}x, "
+                  f"forward + backward {compiled['both_ms'] / eager['both_ms']:.2f}x")  # fmt: skip
     if args.json:
         args.json.write_text(json.dumps(record))
     return 0
