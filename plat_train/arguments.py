@@ -8,6 +8,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
 import yaml
 from transformers import TrainingArguments
 
@@ -66,7 +67,8 @@ class ModelArguments:
 @dataclass
 class PlatTrainingArguments(TrainingArguments):
     """``TrainingArguments`` plus ``--overwrite_output_dir``, which transformers 5 removed but the examples'
-    resume-or-refuse logic for an existing ``output_dir`` needs (see ``runs.detect_last_checkpoint``)."""
+    resume-or-refuse logic for an existing ``output_dir`` needs (see ``runs.detect_last_checkpoint``), and pinned
+    data-loader memory only where an accelerator can use it (torch warns at every data loader otherwise)."""
 
     overwrite_output_dir: bool = field(
         default=False,
@@ -74,6 +76,11 @@ class PlatTrainingArguments(TrainingArguments):
             "help": "Train from scratch into a non-empty output_dir instead of resuming from its last checkpoint."
         },
     )
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not torch.accelerator.is_available():
+            self.dataloader_pin_memory = False
 
 
 def file_flags(path):

@@ -23,7 +23,7 @@ BLOCK = 16
 TINY_MODEL = ["--model_type", "plat", "--config_overrides",
               f"hidden_size=32,num_hidden_layers=2,num_attention_heads=4,max_position_embeddings={BLOCK}"]
 FAST = ["--per_device_train_batch_size", "4", "--per_device_eval_batch_size", "4", "--report_to", "none",
-        "--logging_steps", "1", "--dataloader_pin_memory", "false"]
+        "--logging_steps", "1"]
 WORDS = "the a cat dog sat ran on under mat tree big small red blue quick slow and then it was".split()
 
 

@@ -237,7 +237,7 @@ def sampled(arch, dtype):
     return [case for case in SAMPLE if case["arch"] == arch and case["dtype"] == dtype]
 
 
-@pytest.mark.parametrize("arch, dtype", itertools.product(SAMPLE_ARCHS, DTYPES))
+@pytest.mark.parametrize("arch, dtype", list(itertools.product(SAMPLE_ARCHS, DTYPES)))
 def test_sample_compiles_every_admitted_head_size(arch, dtype):
     """Launch configurations are per input kind and padded head size (BLOCK_D), and each dtype compiles its own code:
     every bucket that the dtype admits on the architecture has its first passes in the sample, so that no admitted
@@ -250,7 +250,7 @@ def test_sample_compiles_every_admitted_head_size(arch, dtype):
     assert all(admitted(case) for case in sampled(arch, dtype))
 
 
-@pytest.mark.parametrize("arch, dtype", itertools.product(SAMPLE_ARCHS, DTYPES))
+@pytest.mark.parametrize("arch, dtype", list(itertools.product(SAMPLE_ARCHS, DTYPES)))
 def test_sample_compiles_every_pass_of_each_dtype(arch, dtype):
     assert {kernel for case in sampled(arch, dtype) for kernel in case_kernels(case)} == set(KERNELS)
 

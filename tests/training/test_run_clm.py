@@ -24,6 +24,7 @@ from transformers import (
     DataCollatorWithFlattening,
     GPT2Config,
     GPT2LMHeadModel,
+    HfArgumentParser,
     LlamaConfig,
     LlamaForCausalLM,
     TrainingArguments,
@@ -33,6 +34,7 @@ from transformers import (
 
 import modeling_plat  # noqa: F401
 from plat_train import causal_lm as run_clm
+from plat_train.arguments import PlatTrainingArguments, parse_args
 from plat_train.model_setup import build_config, parse_config_overrides
 from plat_train.runs import HubUnreachableError
 from plat_train.text_data import (
@@ -106,6 +108,15 @@ def test_arguments_from_one_yaml_file(text_files, tmp_path):
     run_clm.main([str(args_file)])
     assert trainer_step(tmp_path / "out") == 1
 
+
+@pytest.mark.parametrize("accelerator", [False, True])
+def test_data_loaders_pin_memory_only_where_an_accelerator_is(monkeypatch, tmp_path, accelerator):
+    """Pinned memory serves copies to an accelerator; without one torch ignores it and warns at every data loader."""
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: accelerator)
+    args = parse_args(HfArgumentParser(PlatTrainingArguments), ["--output_dir", str(tmp_path)])[0]
+    assert args.dataloader_pin_memory is accelerator
+    explicit = ["--output_dir", str(tmp_path), "--dataloader_pin_memory", "false"]
+    assert parse_args(HfArgumentParser(PlatTrainingArguments), explicit)[0].dataloader_pin_memory is False
 
 def test_json_file_with_other_column_and_bpe_tokenizer(tmp_path):
     lines = write_lines(tmp_path / "lines.txt", 200).read_text().splitlines()
