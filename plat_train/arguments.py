@@ -79,8 +79,14 @@ class PlatTrainingArguments(TrainingArguments):
 
     def __post_init__(self):
         super().__post_init__()
-        if not torch.accelerator.is_available():
+        if not accelerator_available():
             self.dataloader_pin_memory = False
+
+
+def accelerator_available():
+    """Whether torch's data loaders find an accelerator to pin memory for (CUDA before torch 2.6)."""
+    accelerator = getattr(torch, "accelerator", None)
+    return accelerator.is_available() if accelerator is not None else torch.cuda.is_available()
 
 
 def file_flags(path):

@@ -34,7 +34,7 @@ from transformers import (
 
 import modeling_plat  # noqa: F401
 from plat_train import causal_lm as run_clm
-from plat_train.arguments import PlatTrainingArguments, parse_args
+from plat_train.arguments import PlatTrainingArguments, accelerator_available, parse_args
 from plat_train.model_setup import build_config, parse_config_overrides
 from plat_train.runs import HubUnreachableError
 from plat_train.text_data import (
@@ -117,6 +117,15 @@ def test_data_loaders_pin_memory_only_where_an_accelerator_is(monkeypatch, tmp_p
     assert args.dataloader_pin_memory is accelerator
     explicit = ["--output_dir", str(tmp_path), "--dataloader_pin_memory", "false"]
     assert parse_args(HfArgumentParser(PlatTrainingArguments), explicit)[0].dataloader_pin_memory is False
+
+
+@pytest.mark.parametrize("cuda", [False, True])
+def test_without_torch_accelerator_cuda_is_the_accelerator(monkeypatch, cuda):
+    """torch before 2.6 has no ``torch.accelerator``; its data loaders pin memory for CUDA."""
+    monkeypatch.delattr(torch, "accelerator")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    assert accelerator_available() is cuda
+
 
 def test_json_file_with_other_column_and_bpe_tokenizer(tmp_path):
     lines = write_lines(tmp_path / "lines.txt", 200).read_text().splitlines()
