@@ -3,6 +3,7 @@
 Each job adds its own data (and model) arguments to these; ``parse_args`` reads them all.
 """
 
+import difflib
 import json
 import sys
 from dataclasses import dataclass, field
@@ -92,7 +93,10 @@ def accelerator_available():
 def file_flags(path):
     """The arguments of a .json / .yaml file as command-line flags, so that flags given after it override them."""
     text = Path(path).read_text()
-    values = json.loads(text) if str(path).endswith(".json") else yaml.safe_load(text)
+    try:
+        values = json.loads(text) if str(path).endswith(".json") else yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as error:
+        raise ValueError(f"{path} cannot be read: {error}") from error
     if not isinstance(values, dict):
         raise ValueError(f"{path} must hold a mapping of argument names to values")
     flags = []
@@ -112,13 +116,30 @@ def file_flags(path):
 def parse_args(parser, args=None):
     """Parse flags, or a .json / .yaml file of them followed by flags that override it.
 
-    The file is a path or the name of a shipped training recipe (``plat-ptb-tiny.yaml``).
+    The file is a path or the name of a shipped training recipe (``plat-ptb-tiny.yaml``). Whatever the arguments get
+    wrong (an unknown flag, a recipe that is missing or malformed, values that ``TrainingArguments`` refuses) ends the
+    job as argparse ends it for a value of the wrong type: a line on stderr and exit status 2, no traceback.
     """
     args = sys.argv[1:] if args is None else list(args)
-    if args and args[0].endswith(ARGUMENT_FILES):
-        path = args[0] if Path(args[0]).exists() or args[0].endswith(".json") else resolve_preset(
-            args[0].removesuffix(".yml"), "training recipe", "The arguments file")
-        if not Path(path).is_file():
-            raise FileNotFoundError(f"Arguments file not found: {path}")
-        args = file_flags(Path(path).resolve()) + args[1:]
-    return parser.parse_args_into_dataclasses(args=args)
+    try:
+        if args and args[0].endswith(ARGUMENT_FILES):
+            path = args[0] if Path(args[0]).exists() or args[0].endswith(".json") else resolve_preset(
+                args[0].removesuffix(".yml"), "training recipe", "The arguments file")
+            if not Path(path).is_file():
+                raise FileNotFoundError(f"Arguments file not found: {path}")
+            args = file_flags(Path(path).resolve()) + args[1:]
+        *parsed, unknown = parser.parse_args_into_dataclasses(args=args, return_remaining_strings=True)
+    except (ValueError, OSError) as error:
+        parser.exit(2, f"{parser.prog}: error: {error}\n")
+    if unknown:
+        parser.exit(2, f"{parser.prog}: error: {unknown_flags_message(parser, unknown)}\n")
+    return tuple(parsed)
+
+
+def unknown_flags_message(parser, unknown):
+    """What argparse says of arguments it does not know, with the closest known flag to each unknown one."""
+    known = [option for action in parser._actions for option in action.option_strings]
+    flags = [argument.split("=")[0] for argument in unknown if argument.startswith("--")]
+    hints = [f"{flag} -> {close[0]}" for flag in flags for close in [difflib.get_close_matches(flag, known, n=1)]
+             if close]  # fmt: skip
+    return f"unrecognized arguments: {' '.join(unknown)}" + (f" (did you mean: {', '.join(hints)}?)" if hints else "")

@@ -127,6 +127,32 @@ def test_without_torch_accelerator_cuda_is_the_accelerator(monkeypatch, cuda):
     assert accelerator_available() is cuda
 
 
+BAD_ARGUMENTS = {
+    "a mistyped flag": (["plat-ptb-tiny.yaml", "--max_stepz", "3"],
+                        "unrecognized arguments: --max_stepz 3 (did you mean: --max_stepz -> --max_steps?)"),
+    "a recipe name that is not shipped": (
+        ["plat-ptb-tin.yaml"], "The arguments file 'plat-ptb-tin.yaml' is neither a path nor a shipped training recipe"),
+    "a recipe file that is missing": (["{tmp}/missing.json"], "Arguments file not found: {tmp}/missing.json"),
+    "a recipe file that is not YAML": (["{tmp}/broken.yaml"], "{tmp}/broken.yaml cannot be read: while parsing"),
+    "a recipe file that is a list": (["{tmp}/list.yaml"], "{tmp}/list.yaml must hold a mapping of argument names"),
+    "values that TrainingArguments refuses": (
+        ["--model_type", "plat", "--eval_strategy", "steps", "--save_strategy", "epoch", "--load_best_model_at_end"],
+        "--load_best_model_at_end requires the save and eval strategy to match"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("arguments, message", BAD_ARGUMENTS.values(), ids=BAD_ARGUMENTS)
+def test_bad_arguments_end_the_job_as_argparse_does(arguments, message, tmp_path, capsys):
+    """Exit status 2 and one error on stderr, as argparse gives for a value of the wrong type, before anything runs."""
+    (tmp_path / "broken.yaml").write_text("max_steps: [1\n")
+    (tmp_path / "list.yaml").write_text("- max_steps\n")
+    with pytest.raises(SystemExit) as stop:
+        run_clm.main([argument.format(tmp=tmp_path) for argument in arguments] + ["--output_dir", str(tmp_path / "out")])
+    assert stop.value.code == 2
+    assert "error: " + message.format(tmp=tmp_path) in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
 def test_json_file_with_other_column_and_bpe_tokenizer(tmp_path):
     lines = write_lines(tmp_path / "lines.txt", 200).read_text().splitlines()
     rows = [{"id": i, "body": line} for i, line in enumerate(lines)]

@@ -357,6 +357,17 @@ def test_missing_fashion_mnist_says_how_to_install(tmp_path):
         run(["--output_dir", tmp_path / "out", "--do_train", "--fashion_mnist_dir", tmp_path / "nowhere"])
 
 
+def test_a_mistyped_flag_ends_the_job_with_the_flag_meant(tmp_path, capsys):
+    """The image job's own flags (augmentation's included) are among those an unknown one is matched with
+    (test_run_clm.py: the other ways arguments go wrong)."""
+    with pytest.raises(SystemExit) as stop:
+        run(["plat-fmnist-tiny.yaml", "--mixup_alpa", 0.8, "--output_dir", tmp_path / "out"])
+    assert stop.value.code == 2
+    assert ("error: unrecognized arguments: --mixup_alpa 0.8 (did you mean: --mixup_alpa -> --mixup_alpha?)"
+            in capsys.readouterr().err)  # fmt: skip
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.skipif(sys.platform == "win32", reason="torchrun with gloo on Linux/macOS")
 def test_two_process_ddp_on_cpu(folders, tmp_path):
     train_dir, validation_dir = folders
