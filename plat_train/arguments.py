@@ -13,7 +13,8 @@ import torch
 import yaml
 from transformers import TrainingArguments
 
-from .presets import resolve_preset
+from .model_setup import parse_config_overrides
+from .presets import resolve_config_name, resolve_preset
 
 ARGUMENT_FILES = (".json", ".yaml", ".yml")
 
@@ -58,6 +59,12 @@ class ModelArguments:
                           "mixed-precision training is --bf16 / --fp16.",
                   "choices": ["auto", "bfloat16", "float16", "float32"]},
     )
+
+    def __post_init__(self):
+        # Refused while the arguments are read (``parse_args``), not after the data: a preset's name mistyped, an
+        # override that is not key=value. Unknown override fields wait for the config that defines the fields.
+        resolve_config_name(self.config_name)
+        parse_config_overrides(self.config_overrides or "")
 
     def hub_kwargs(self):
         """The keyword arguments every ``from_pretrained`` of this job takes."""
@@ -117,8 +124,9 @@ def parse_args(parser, args=None):
     """Parse flags, or a .json / .yaml file of them followed by flags that override it.
 
     The file is a path or the name of a shipped training recipe (``plat-ptb-tiny.yaml``). Whatever the arguments get
-    wrong (an unknown flag, a recipe that is missing or malformed, values that ``TrainingArguments`` refuses) ends the
-    job as argparse ends it for a value of the wrong type: a line on stderr and exit status 2, no traceback.
+    wrong (an unknown flag, a recipe that is missing or malformed, a model preset that is not shipped, values that
+    ``TrainingArguments`` refuses) ends the job as argparse ends it for a value of the wrong type: a line on stderr and
+    exit status 2, no traceback.
     """
     args = sys.argv[1:] if args is None else list(args)
     try:

@@ -135,6 +135,10 @@ BAD_ARGUMENTS = {
     "a recipe file that is missing": (["{tmp}/missing.json"], "Arguments file not found: {tmp}/missing.json"),
     "a recipe file that is not YAML": (["{tmp}/broken.yaml"], "{tmp}/broken.yaml cannot be read: while parsing"),
     "a recipe file that is a list": (["{tmp}/list.yaml"], "{tmp}/list.yaml must hold a mapping of argument names"),
+    "a model preset that is not shipped": (["--config_name", "plat-ptb-tine"],
+                                           "--config_name 'plat-ptb-tine' is neither a path nor a shipped model config"),
+    "an override that is not key=value": (["--model_type", "plat", "--config_overrides", "hidden_size:32"],
+                                          "--config_overrides entries must look like key=value; got 'hidden_size:32'"),
     "values that TrainingArguments refuses": (
         ["--model_type", "plat", "--eval_strategy", "steps", "--save_strategy", "epoch", "--load_best_model_at_end"],
         "--load_best_model_at_end requires the save and eval strategy to match"),
