@@ -9,6 +9,7 @@ with its tokenizer or image processor and a model card. The library function is
 
 import argparse
 import sys
+from pathlib import Path
 
 from transformers import AutoConfig, AutoTokenizer
 # The class itself: in transformers 5.17 the top-level name is a placeholder needing torchvision, which nothing here
@@ -37,11 +38,19 @@ def main(argv=None):
                              "(default: the paper's head mix, eq. 12)")
     args = parser.parse_args(argv)
 
-    model_type = AutoConfig.from_pretrained(args.source).model_type
-    if model_type not in FAMILIES:
-        plat_config_for(AutoConfig.from_pretrained(args.source))  # raises the error naming what converts
-    task, processor_class = FAMILIES[model_type]
-    config = build_config(ModelArguments(model_name_or_path=args.source, config_overrides=args.config_overrides), task)
+    # A source that cannot be read (no such folder, no network, not a transformers checkpoint), of a family that does
+    # not convert, or overrides p-LaT refuses: one line, before anything is converted or written.
+    try:
+        if args.source.startswith(("/", ".")) and not Path(args.source).exists():
+            raise FileNotFoundError(f"--source {args.source}: no such folder")
+        source_config = AutoConfig.from_pretrained(args.source)
+        if source_config.model_type not in FAMILIES:
+            plat_config_for(source_config)  # raises the error naming what converts
+        task, processor_class = FAMILIES[source_config.model_type]
+        model_args = ModelArguments(model_name_or_path=args.source, config_overrides=args.config_overrides)
+        config = build_config(model_args, task)
+    except (OSError, ValueError) as error:
+        parser.exit(2, f"{parser.prog}: error: {error}\n")
     model = convert_to_plat(args.source, config=config)
     model.save_pretrained(args.output)
     try:

@@ -28,6 +28,7 @@ from transformers import (
 from device import DEVICE
 from modeling_plat import PlatForCausalLM, PlatVisionModel
 from modeling_plat.convert import convert_to_plat
+from plat_train import convert as convert_cli
 from tiny import train_losses
 
 VIT = dict(num_hidden_layers=2, hidden_size=24, num_attention_heads=3, intermediate_size=48, image_size=16,
@@ -161,6 +162,35 @@ def test_cli_round_trip(tmp_path):
     plat, gpt2 = PlatForCausalLM.from_pretrained(output).eval().to(DEVICE), gpt2.to(DEVICE)
     ids = torch.randint(0, 61, (2, 9)).to(DEVICE)
     torch.testing.assert_close(plat(ids).logits, gpt2(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def saved(config, folder):
+    config.save_pretrained(folder)
+    return folder
+
+
+# What each source folder holds, the flags after --source and --output, and the error.
+CLI_REFUSALS = {
+    "a folder that is not there": (lambda folder: folder / "nowhere", [], "--source {folder}/nowhere: no such folder"),
+    "a folder without a config": (lambda folder: folder, [], "Unrecognized model in {folder}"),
+    "a family that does not convert": (lambda folder: saved(MixtralConfig(**DECODER), folder), [],
+                                       "Cannot convert a MixtralConfig (model_type 'mixtral')"),
+    "overrides p-LaT refuses": (lambda folder: saved(GPT2Config(n_layer=1, n_embd=8, n_head=2), folder),
+                                ["--config_overrides", "n_layr=1"],
+                                "--config_overrides names fields that PlatConfig does not have: ['n_layr']"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("source, flags, message", CLI_REFUSALS.values(), ids=CLI_REFUSALS)
+def test_cli_refuses_a_source_it_cannot_convert_in_one_line(source, flags, message, tmp_path, capsys):
+    """Exit status 2 and the reason on stderr, before anything is converted or written."""
+    folder = tmp_path / "source"
+    folder.mkdir()
+    with pytest.raises(SystemExit) as stop:
+        convert_cli.main(["--source", str(source(folder)), "--output", str(tmp_path / "out"), *flags])
+    assert stop.value.code == 2
+    assert "plat-convert: error: " + message.format(folder=folder) in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
 
 
 def test_converted_model_lands_where_its_source_computes():

@@ -130,13 +130,13 @@ def test_without_torch_accelerator_cuda_is_the_accelerator(monkeypatch, cuda):
 BAD_ARGUMENTS = {
     "a mistyped flag": (["plat-ptb-tiny.yaml", "--max_stepz", "3"],
                         "unrecognized arguments: --max_stepz 3 (did you mean: --max_stepz -> --max_steps?)"),
-    "a recipe name that is not shipped": (
-        ["plat-ptb-tin.yaml"], "The arguments file 'plat-ptb-tin.yaml' is neither a path nor a shipped training recipe"),
+    "a recipe name that is not shipped": (["plat-ptb-tin.yaml"],
+                                          "The arguments file 'plat-ptb-tin.yaml' is neither a path nor a shipped"),
     "a recipe file that is missing": (["{tmp}/missing.json"], "Arguments file not found: {tmp}/missing.json"),
     "a recipe file that is not YAML": (["{tmp}/broken.yaml"], "{tmp}/broken.yaml cannot be read: while parsing"),
     "a recipe file that is a list": (["{tmp}/list.yaml"], "{tmp}/list.yaml must hold a mapping of argument names"),
     "a model preset that is not shipped": (["--config_name", "plat-ptb-tine"],
-                                           "--config_name 'plat-ptb-tine' is neither a path nor a shipped model config"),
+                                           "--config_name 'plat-ptb-tine' is neither a path nor a shipped model"),
     "an override that is not key=value": (["--model_type", "plat", "--config_overrides", "hidden_size:32"],
                                           "--config_overrides entries must look like key=value; got 'hidden_size:32'"),
     "values that TrainingArguments refuses": (
@@ -151,7 +151,7 @@ def test_bad_arguments_end_the_job_as_argparse_does(arguments, message, tmp_path
     (tmp_path / "broken.yaml").write_text("max_steps: [1\n")
     (tmp_path / "list.yaml").write_text("- max_steps\n")
     with pytest.raises(SystemExit) as stop:
-        run_clm.main([argument.format(tmp=tmp_path) for argument in arguments] + ["--output_dir", str(tmp_path / "out")])
+        run_clm.main([argument.format(tmp=tmp_path) for argument in arguments] + ["--output_dir", f"{tmp_path}/out"])
     assert stop.value.code == 2
     assert "error: " + message.format(tmp=tmp_path) in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
