@@ -130,6 +130,14 @@ class TextDataArguments:
         default=1, metadata={"help": "Windows per forward pass in sliding-window evaluation (the paper used 1)."}
     )
 
+    def __post_init__(self):
+        # Here, while the arguments are read, rather than after training; the stride's upper bound, the block size,
+        # is checked once the model's context is known (check_stride).
+        if self.eval_stride is not None and self.eval_stride < 1:
+            raise ValueError(f"--eval_stride must be at least 1; got {self.eval_stride}")
+        if self.sliding_window_batch_size < 1:
+            raise ValueError(f"--sliding_window_batch_size must be at least 1; got {self.sliding_window_batch_size}")
+
 
 def build_tokenizer(model_args, raw_splits, last_checkpoint, model_max_length=None):
     """A named tokenizer, the saved model's, the checkpoint's when resuming, or one trained on the training split."""
@@ -177,6 +185,13 @@ def resolve_block_size(block_size, config):
             f"use --block_size {context_length} or less, or a model with a longer context"
         )
     return block_size
+
+
+def check_stride(stride, block_size):
+    """``--eval_stride`` moves windows of ``block_size`` tokens: refused before training when it moves them further."""
+    if stride is not None and stride > block_size:
+        raise ValueError(f"--eval_stride {stride} is larger than the block size {block_size}: windows would skip "
+                         "tokens")
 
 
 def evaluate_split(trainer, prefix, blocks, tokenized, train_stream, data_args, block_size):
@@ -256,6 +271,7 @@ def main(args=None):
     saved = saved_config(model_args)
     config = build_config(model_args, "text-generation", saved)
     block_size = resolve_block_size(data_args.block_size, config)
+    check_stride(data_args.eval_stride, block_size)
     tokenizer = build_tokenizer(model_args, raw_splits, last_checkpoint, block_size)
     model = build_model(model_args, config, saved, tokenizer)
 

@@ -139,6 +139,9 @@ BAD_ARGUMENTS = {
                                            "--config_name 'plat-ptb-tine' is neither a path nor a shipped model"),
     "an override that is not key=value": (["--model_type", "plat", "--config_overrides", "hidden_size:32"],
                                           "--config_overrides entries must look like key=value; got 'hidden_size:32'"),
+    "a stride below 1": (["--model_type", "plat", "--eval_stride", "0"], "--eval_stride must be at least 1; got 0"),
+    "no windows per batch": (["--model_type", "plat", "--sliding_window_batch_size", "0"],
+                             "--sliding_window_batch_size must be at least 1; got 0"),
     "values that TrainingArguments refuses": (
         ["--model_type", "plat", "--eval_strategy", "steps", "--save_strategy", "epoch", "--load_best_model_at_end"],
         "--load_best_model_at_end requires the save and eval strategy to match"),
@@ -424,6 +427,13 @@ def test_block_size_beyond_the_context_is_reported(text_files, tmp_path):
     with pytest.raises(ValueError, match="larger than the model's max_position_embeddings"):
         run_clm.main([*TINY_MODEL, *files_args(text_files), "--block_size", str(BLOCK + 1), "--do_train",
                       "--output_dir", str(tmp_path / "out")])
+
+
+def test_a_stride_beyond_the_block_is_refused_before_training(text_files, tmp_path):
+    with pytest.raises(ValueError, match=f"--eval_stride {BLOCK + 1} is larger than the block size {BLOCK}"):
+        run_clm.main([*TINY_MODEL, *files_args(text_files), "--eval_stride", str(BLOCK + 1), "--do_train", "--do_eval",
+                      "--output_dir", str(tmp_path / "out")])  # fmt: skip
+    assert not (tmp_path / "out").exists()
 
 
 def test_hub_dataset_while_offline_says_how_to_use_local_files(monkeypatch, tmp_path):
