@@ -115,6 +115,20 @@ class AugmentArguments:
                           "the initial weights; false for DeiT's fixed decay."},
     )
 
+    def __post_init__(self):
+        # Refused while the arguments are read: out of range, a probability or a fraction would be taken as it comes
+        # (a flip "probability" of 2 flips every image), a negative alpha fails in the first mixed batch and an eval
+        # crop of 0 when the eval transform is built.
+        for name in ("hflip_prob", "random_erase_prob", "mixup_prob", "mixup_switch_prob", "model_ema_decay"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ValueError(f"--{name} must lie between 0 and 1; got {getattr(self, name)}")
+        for name in ("crop_scale_min", "eval_crop_pct"):
+            if not 0 < getattr(self, name) <= 1:
+                raise ValueError(f"--{name} is a fraction of the image: above 0, at most 1; got {getattr(self, name)}")
+        for name in ("rand_augment_ops", "rand_augment_magnitude_std", "mixup_alpha", "cutmix_alpha"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name} must be at least 0; got {getattr(self, name)}")
+
 
 def load_raw_datasets(data_args, model_args, seed):
     if data_args.dataset_name is not None:

@@ -357,14 +357,25 @@ def test_missing_fashion_mnist_says_how_to_install(tmp_path):
         run(["--output_dir", tmp_path / "out", "--do_train", "--fashion_mnist_dir", tmp_path / "nowhere"])
 
 
-def test_a_mistyped_flag_ends_the_job_with_the_flag_meant(tmp_path, capsys):
-    """The image job's own flags (augmentation's included) are among those an unknown one is matched with
-    (test_run_clm.py: the other ways arguments go wrong)."""
+BAD_ARGUMENTS = {
+    "a mistyped flag": (["--mixup_alpa", 0.8],
+                        "unrecognized arguments: --mixup_alpa 0.8 (did you mean: --mixup_alpa -> --mixup_alpha?)"),
+    "a probability above 1": (["--hflip_prob", 2], "--hflip_prob must lie between 0 and 1; got 2.0"),
+    "an EMA decay above 1": (["--model_ema_decay", 1.5], "--model_ema_decay must lie between 0 and 1; got 1.5"),
+    "an eval crop of nothing": (["--eval_crop_pct", 0], "--eval_crop_pct is a fraction of the image: above 0"),
+    "a crop larger than the image": (["--crop_scale_min", 1.5], "--crop_scale_min is a fraction of the image"),
+    "a negative alpha": (["--cutmix_alpha", -1], "--cutmix_alpha must be at least 0; got -1.0"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("arguments, message", BAD_ARGUMENTS.values(), ids=BAD_ARGUMENTS)
+def test_bad_arguments_end_the_job_as_argparse_does(arguments, message, tmp_path, capsys):
+    """The image job's own flags (augmentation's included) are among those an unknown one is matched with, and its
+    ranges are checked as the arguments are read (test_run_clm.py: the other ways arguments go wrong)."""
     with pytest.raises(SystemExit) as stop:
-        run(["plat-fmnist-tiny.yaml", "--mixup_alpa", 0.8, "--output_dir", tmp_path / "out"])
+        run(["plat-fmnist-tiny.yaml", *arguments, "--output_dir", tmp_path / "out"])
     assert stop.value.code == 2
-    assert ("error: unrecognized arguments: --mixup_alpa 0.8 (did you mean: --mixup_alpa -> --mixup_alpha?)"
-            in capsys.readouterr().err)  # fmt: skip
+    assert "error: " + message in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
 
 
