@@ -137,10 +137,10 @@ def parse_args(parser, args=None):
                 raise FileNotFoundError(f"Arguments file not found: {path}")
             args = file_flags(Path(path).resolve()) + args[1:]
         *parsed, unknown = parser.parse_args_into_dataclasses(args=args, return_remaining_strings=True)
+        if unknown:
+            raise ValueError(unknown_flags_message(parser, unknown))
     except (ValueError, OSError) as error:
         parser.exit(2, f"{parser.prog}: error: {error}\n")
-    if unknown:
-        parser.exit(2, f"{parser.prog}: error: {unknown_flags_message(parser, unknown)}\n")
     return tuple(parsed)
 
 

@@ -50,7 +50,7 @@ def main(argv=None):
         model_args = ModelArguments(model_name_or_path=args.source, config_overrides=args.config_overrides)
         config = build_config(model_args, task)
     except (OSError, ValueError) as error:
-        parser.exit(2, f"{parser.prog}: error: {error}\n")
+        parser.error(str(error))
     model = convert_to_plat(args.source, config=config)
     model.save_pretrained(args.output)
     try:
