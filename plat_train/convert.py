@@ -39,7 +39,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
 
     # A source that cannot be read (no such folder, no network, not a transformers checkpoint), of a family that does
-    # not convert, or overrides p-LaT refuses: one line, before anything is converted or written.
+    # not convert, or overrides p-LaT refuses: argparse's error, before anything is converted or written.
     try:
         if args.source.startswith(("/", ".")) and not Path(args.source).exists():
             raise FileNotFoundError(f"--source {args.source}: no such folder")
