@@ -6,6 +6,7 @@ the 1,688 steps of a 4-epoch Fashion-MNIST run. With warmup (as timm's ModelEmaV
 training goes on, and the average forgets the initialisation.
 """
 
+import logging
 import os
 
 import torch
@@ -17,6 +18,8 @@ EMA_WEIGHTS_NAME = "model_ema.safetensors"
 # 3/4 suits runs of thousands to ~100k steps (the decay reaches 0.999 after 10k steps); 2/3 is slower, for
 # runs of millions of steps.
 WARMUP_POWER = 0.75
+
+logger = logging.getLogger(__name__)
 
 
 def ema_decay(step, decay, warmup=True):
@@ -50,6 +53,9 @@ class ModelEmaCallback(TrainerCallback):
             saved = load_file(resumed)
             self.shadow = [saved[name].to(tensor.device) for name, tensor in tracked.items()]
         else:
+            if resumed:
+                logger.warning(f"{self.resume_from_checkpoint} has no {EMA_WEIGHTS_NAME}: the average of the weights "
+                               "starts again from the checkpoint's weights")
             self.shadow = [tensor.detach().float().clone() for tensor in tracked.values()]
 
     @torch.no_grad()
@@ -62,8 +68,10 @@ class ModelEmaCallback(TrainerCallback):
         if args.should_save:
             folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
             os.makedirs(folder, exist_ok=True)
-            save_file({name: t.contiguous().cpu() for name, t in zip(self.names, self.shadow)},
-                      os.path.join(folder, EMA_WEIGHTS_NAME))
+            # Written whole or not at all: a run killed while saving leaves no average that resuming would trust.
+            path = os.path.join(folder, EMA_WEIGHTS_NAME)
+            save_file({name: t.contiguous().cpu() for name, t in zip(self.names, self.shadow)}, path + ".tmp")
+            os.replace(path + ".tmp", path)
 
     @torch.no_grad()
     def swap_into(self, model):

@@ -32,7 +32,7 @@ from modeling_plat import PlatImageProcessor
 
 from . import vision_data
 from .arguments import ModelArguments, PlatTrainingArguments, parse_args
-from .ema import ModelEmaCallback
+from .ema import EMA_WEIGHTS_NAME, ModelEmaCallback
 from .model_cards import FASHION_MNIST_DATASET
 from .model_setup import build_config, converted_on_load, load_model, saved_config
 from .presets import image_processor_preset
@@ -280,7 +280,8 @@ def main(args=None):
     # The transforms read the raw "image" column, which Trainer would drop as unused by the model.
     training_args.remove_unused_columns = False
     setup_logging(training_args)
-    last_checkpoint = detect_last_checkpoint(training_args)
+    # With --model_ema, a checkpoint is finished once its average is saved too (after Trainer's state).
+    last_checkpoint = detect_last_checkpoint(training_args, (EMA_WEIGHTS_NAME,) if aug_args.model_ema else ())
     set_seed(training_args.seed)
     saved = saved_config(model_args)
     refuse_untrainable(model_args, saved)

@@ -3,6 +3,7 @@ like the transformers examples, resuming from the last complete checkpoint, reco
 the Hub is needed but unreachable, and ending the processes of a distributed run cleanly."""
 
 import contextlib
+import json
 import logging
 import os
 import sys
@@ -111,32 +112,64 @@ def explain_offline_errors(what, local_alternative):
         ) from error
 
 
-def last_complete_checkpoint(output_dir):
-    """The newest ``checkpoint-N`` folder in ``output_dir`` that Trainer finished writing, or None.
+# What a run leaves in its output_dir before its first finished checkpoint, beside unfinished checkpoint folders:
+# TensorBoard's logs (transformers' default logging folder).
+EARLY_LEFTOVERS = ("runs",)
 
-    Trainer writes ``trainer_state.json`` last, so a folder without it is what a run killed while saving
-    leaves behind: it is skipped (with a warning) rather than resumed from.
-    """
+
+def checkpoint_folders(output_dir):
+    """The ``checkpoint-N`` folders in ``output_dir``, newest first."""
     found = []
     for folder in Path(output_dir).glob(f"{PREFIX_CHECKPOINT_DIR}-*"):
         step = folder.name.removeprefix(f"{PREFIX_CHECKPOINT_DIR}-")
         if folder.is_dir() and step.isdigit():
             found.append((int(step), folder))
-    for _, folder in sorted(found, reverse=True):
-        if (folder / "trainer_state.json").is_file():
+    return [folder for _, folder in sorted(found, reverse=True)]
+
+
+def finished_state(path):
+    """Whether ``path`` holds a whole trainer state: a JSON object (json.dumps writes its closing brace last)."""
+    try:
+        return isinstance(json.loads(path.read_text()), dict)
+    except (OSError, ValueError):  # missing; empty, cut short or not text (JSONDecodeError, UnicodeDecodeError)
+        return False
+
+
+def unfinished_reason(folder, required=()):
+    """Why the checkpoint ``folder`` cannot be resumed from, or None. Trainer writes ``trainer_state.json`` last, in
+    place: a folder without it, or with one that is empty or cut short, is what a run killed while saving leaves
+    behind. ``required`` names files that callbacks write after it (``ema.EMA_WEIGHTS_NAME``)."""
+    if not finished_state(folder / "trainer_state.json"):
+        return "its trainer_state.json is missing or cut short, so its save did not finish"
+    missing = [name for name in required if not (folder / name).is_file()]
+    return f"it has no {', '.join(missing)} (its save did not finish, or ran without it)" if missing else None
+
+
+def last_complete_checkpoint(output_dir, required=()):
+    """The newest ``checkpoint-N`` folder in ``output_dir`` that can be resumed from (``unfinished_reason``), or None.
+
+    Unfinished folders are skipped with a warning: resuming from one would fail on its state, or load a
+    half-written checkpoint.
+    """
+    for folder in checkpoint_folders(output_dir):
+        reason = unfinished_reason(folder, required)
+        if reason is None:
             return str(folder)
-        logger.warning(f"Skipping {folder}: it has no trainer_state.json, so its save did not finish")
+        logger.warning(f"Skipping {folder}: {reason}")
     return None
 
 
-def detect_last_checkpoint(training_args):
+def detect_last_checkpoint(training_args, required=()):
     """The checkpoint to resume from, following the transformers examples.
 
     An explicit ``--resume_from_checkpoint`` wins. Otherwise, when training into an ``output_dir`` that
-    already holds ``checkpoint-*`` folders, the newest one is returned (and logged) unless
-    ``--overwrite_output_dir`` (an ``arguments.PlatTrainingArguments`` field; plain ``TrainingArguments`` count as
-    False); a non-empty ``output_dir`` with no checkpoint raises, so that a finished run is not silently
-    overwritten. Returns None when training starts from scratch.
+    already holds ``checkpoint-*`` folders, the newest finished one (``last_complete_checkpoint``, with the files
+    ``required`` beside Trainer's) is returned (and logged) unless ``--overwrite_output_dir`` (an
+    ``arguments.PlatTrainingArguments`` field; plain ``TrainingArguments`` count as False). Without one, a folder
+    that holds only what a run stopped before its first finished checkpoint leaves (unfinished checkpoints,
+    ``EARLY_LEFTOVERS``) is trained into from the start, so that the same command runs again; any other non-empty
+    ``output_dir`` raises, so that a finished run is not silently overwritten. Returns None when training starts
+    from scratch.
     """
     overwrite_output_dir = getattr(training_args, "overwrite_output_dir", False)
     if training_args.resume_from_checkpoint is not None:
@@ -144,18 +177,27 @@ def detect_last_checkpoint(training_args):
     output_dir = Path(training_args.output_dir)
     if not training_args.do_train or overwrite_output_dir or not output_dir.is_dir():
         return None
-    last_checkpoint = last_complete_checkpoint(output_dir)
-    if last_checkpoint is None and any(output_dir.iterdir()):
-        raise ValueError(
-            f"Output directory ({output_dir}) already exists and is not empty. Use --overwrite_output_dir to "
-            "train into it anyway, or --resume_from_checkpoint to continue a run."
-        )
+    last_checkpoint = last_complete_checkpoint(output_dir, required)
     if last_checkpoint is not None:
         logger.info(
             f"Checkpoint detected, resuming training at {last_checkpoint}. To avoid this behaviour, change "
             "--output_dir or pass --overwrite_output_dir to train from scratch."
         )
-    return last_checkpoint
+        return last_checkpoint
+    unfinished = [folder for folder in checkpoint_folders(output_dir)
+                  if not finished_state(folder / "trainer_state.json")]  # fmt: skip
+    left = set(output_dir.iterdir()) - set(unfinished)
+    if any(path.name not in EARLY_LEFTOVERS for path in left):
+        raise ValueError(
+            f"Output directory ({output_dir}) already exists and is not empty. Use --overwrite_output_dir to "
+            "train into it anyway, or --resume_from_checkpoint to continue a run."
+        )
+    if unfinished or left:
+        logger.warning(
+            f"{output_dir} holds no finished checkpoint, only what a run stopped before its first one leaves: "
+            "training from the start."
+        )
+    return None
 
 
 def record_metrics(trainer, split, metrics):

@@ -51,14 +51,42 @@ def test_incompatible_config_raises_a_clear_error(checkpoint, change, message):
 def test_partial_checkpoint_is_never_resumed_from(tmp_path, caplog):
     from plat_train.runs import last_complete_checkpoint
 
-    for step, files in ((2, ("config.json", "trainer_state.json")), (4, ("config.json",)), (10, ())):
+    # A run killed while saving: before the state (4, 10), or while writing it (6: opened, 8: cut short, 12: not text).
+    whole_state = json.dumps({"global_step": 2, "log_history": []}, indent=2)
+    states = {2: whole_state, 6: "", 8: whole_state[:-1], 12: "\udcff"}
+    for step in (2, 4, 6, 8, 10, 12):
         folder = tmp_path / f"checkpoint-{step}"
         folder.mkdir()
-        for name in files:
-            (folder / name).write_text("{}")
+        if step != 10:
+            (folder / "config.json").write_text("{}")
+        if step in states:
+            (folder / "trainer_state.json").write_bytes(states[step].encode(errors="surrogateescape"))
     (tmp_path / "checkpoint-final").mkdir()
     assert last_complete_checkpoint(tmp_path) == str(tmp_path / "checkpoint-2")
-    assert "checkpoint-4" in caplog.text and "did not finish" in caplog.text
+    skipped = [line for line in caplog.text.splitlines() if "did not finish" in line]
+    assert [f"checkpoint-{step}" in line for step, line in zip((12, 10, 8, 6, 4), skipped)] == [True] * 5
+
+
+def test_an_output_dir_without_a_finished_checkpoint_is_trained_into_only_if_a_run_left_nothing_else(tmp_path, caplog):
+    from types import SimpleNamespace
+
+    from plat_train.ema import EMA_WEIGHTS_NAME
+    from plat_train.runs import detect_last_checkpoint
+
+    args = SimpleNamespace(resume_from_checkpoint=None, output_dir=str(tmp_path), do_train=True)
+    (tmp_path / "checkpoint-4").mkdir()
+    (tmp_path / "checkpoint-4" / "trainer_state.json").write_text("")  # killed while writing it
+    (tmp_path / "runs").mkdir()  # TensorBoard's logs
+    assert detect_last_checkpoint(args) is None and "training from the start" in caplog.text
+    (tmp_path / "checkpoint-4" / "trainer_state.json").write_text("{}")
+    assert detect_last_checkpoint(args) == str(tmp_path / "checkpoint-4")
+    # Finished as Trainer sees it, but without the average the job also needs: kept, not trained over.
+    with pytest.raises(ValueError, match="not empty"):
+        detect_last_checkpoint(args, (EMA_WEIGHTS_NAME,))
+    (tmp_path / "checkpoint-4" / "trainer_state.json").write_text("")
+    (tmp_path / "all_results.json").write_text("{}")  # what else a run writes: a finished run's
+    with pytest.raises(ValueError, match="not empty"):
+        detect_last_checkpoint(args)
 
 
 def test_run_killed_mid_training_resumes_to_the_same_result(tmp_path):
@@ -84,12 +112,18 @@ def test_run_killed_mid_training_resumes_to_the_same_result(tmp_path):
     def metrics(output_dir):
         return json.loads((output_dir / "all_results.json").read_text())
 
+    def whole_json(path):
+        try:
+            return bool(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            return False
+
     subprocess.run(command(tmp_path / "straight"), check=True, capture_output=True, timeout=600)
 
     killed = tmp_path / "killed"
     process = subprocess.Popen(command(killed), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 300
-    while not (killed / "checkpoint-4" / "trainer_state.json").exists():
+    while not whole_json(killed / "checkpoint-4" / "trainer_state.json"):  # killed once that checkpoint is complete
         assert process.poll() is None and time.monotonic() < deadline, "the run ended before its first checkpoint"
         time.sleep(0.01)
     process.send_signal(signal.SIGKILL)

@@ -334,6 +334,17 @@ def test_resume_continues_from_the_last_checkpoint(text_files, tmp_path, caplog)
     assert trainer_step(output_dir) == 2
 
 
+def test_the_same_command_runs_again_after_a_kill_before_the_first_finished_checkpoint(text_files, tmp_path, caplog):
+    output_dir = tmp_path / "out"
+    (output_dir / "checkpoint-2").mkdir(parents=True)  # killed while writing Trainer's state, which it writes last
+    (output_dir / "checkpoint-2" / "trainer_state.json").write_text('{"global_step": 2, "log_')
+    (output_dir / "checkpoint-2" / "model.safetensors").write_bytes(b"\0" * 8)
+    run_clm.main([*TINY_MODEL, *files_args(text_files), *FAST, "--tokenizer_type", "word", "--do_train",
+                  "--save_steps", "2", "--max_steps", "2", "--output_dir", str(output_dir)])
+    assert "training from the start" in caplog.text
+    assert trainer_step(output_dir) == 2 and trainer_step(output_dir / "checkpoint-2") == 2
+
+
 def direct_sliding_nll(model, stream, context_length):
     """Per-token scoring without windows: token t from the (up to context_length - 1) tokens before it,
     except that tokens inside the first window see only what precedes them there."""

@@ -196,6 +196,15 @@ def test_resume_from_last_checkpoint(folders, tmp_path, caplog):
     assert "resuming training at" in caplog.text and "checkpoint-2" in caplog.text
     state = json.loads((output_dir / "trainer_state.json").read_text())
     assert state["global_step"] == 4
+    assert not list(output_dir.rglob("*.tmp"))
+    # Killed after Trainer's state but before the average (written last): that checkpoint is passed over.
+    (output_dir / "checkpoint-4" / "model_ema.safetensors").unlink()
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        run(folder_args(folders, output_dir, *common, "--max_steps", 6))
+    assert "checkpoint-4: it has no model_ema.safetensors" in caplog.text
+    assert "resuming training at" in caplog.text and "checkpoint-2" in caplog.text
+    assert json.loads((output_dir / "trainer_state.json").read_text())["global_step"] == 6
 
 
 def test_unknown_override_is_refused(folders, tmp_path):
