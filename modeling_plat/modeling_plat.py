@@ -24,6 +24,7 @@ from transformers.modeling_outputs import (
     ImageClassifierOutput,
 )
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, rotate_half
 from transformers.utils import logging
 from transformers.utils.generic import can_return_tuple
@@ -679,3 +680,7 @@ PlatModel.register_for_auto_class("AutoModel")
 PlatForCausalLM.register_for_auto_class("AutoModelForCausalLM")
 PlatVisionModel.register_for_auto_class("AutoModel")
 PlatForImageClassification.register_for_auto_class("AutoModelForImageClassification")
+# Trainer shifts the labels of its label smoothing (--label_smoothing_factor) only for the causal language models that
+# transformers lists by class name, which AutoModelForCausalLM.register does not extend: unlisted, each position's
+# logits were scored against its own token. Listed here, not in __init__, so that remote code lists it as well.
+MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.setdefault(PlatConfig.model_type, PlatForCausalLM.__name__)

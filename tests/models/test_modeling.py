@@ -300,6 +300,22 @@ def test_trainer_predictions_leave_the_cache_out(tmp_path):
     assert isinstance(predictions, np.ndarray) and predictions.shape == (3, 6, 61)
 
 
+def test_trainer_label_smoothing_scores_the_next_token(tmp_path):
+    """Trainer computes a smoothed loss itself, shifting the labels only for causal LMs it knows by class name."""
+    model = lm()
+    ids = torch.randint(2, 61, (3, 6))
+    ids[0, :2] = -100  # ignored positions stay ignored
+    args = TrainingArguments(tmp_path, label_smoothing_factor=0.1, report_to=[], use_cpu=not ON_CUDA)
+    trainer = Trainer(model, args)
+    inputs = {"input_ids": ids.clamp(min=2).to(trainer.args.device), "labels": ids.to(trainer.args.device)}
+    with torch.no_grad():
+        loss = trainer.compute_loss(model, dict(inputs))
+        logits = model(input_ids=inputs["input_ids"]).logits.float()
+    next_token = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), inputs["labels"][:, 1:].flatten(),
+                                                   label_smoothing=0.1)  # fmt: skip
+    torch.testing.assert_close(loss, next_token)
+
+
 @pytest.mark.parametrize("formulation", ["paper", "euler"])
 def test_greedy_generate_with_and_without_cache(formulation, shape):
     model = lm(plap_formulation=formulation, **shape).to(DEVICE)
