@@ -90,6 +90,12 @@ def load_raw_splits(dataset_name=None, dataset_config_name=None, train_file=None
         logger.info(f"No validation split: holding out the first {streaming_validation_texts} streamed training texts")
         raw["validation"] = raw["train"].take(streaming_validation_texts)
         raw["train"] = raw["train"].skip(streaming_validation_texts)
+        if next(iter(raw["train"]), None) is None:
+            raise ValueError(
+                f"The training stream ends within its first {streaming_validation_texts} texts, which "
+                "--streaming_validation_texts holds out for validation: nothing is left to train on. Lower it, or "
+                "give a validation split (--validation_file)."
+            )
     elif "validation" not in raw and "train" in raw and not streaming and validation_split_percentage:
         logger.info(f"No validation split: holding out the last {validation_split_percentage}% of the training texts")
         train = raw["train"]

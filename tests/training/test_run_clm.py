@@ -204,6 +204,14 @@ def test_streaming_eval_holds_out_the_start_of_the_stream(text_files, tmp_path):
     assert math.isfinite(metrics["eval_perplexity"]) and "test_perplexity" not in metrics
 
 
+@pytest.mark.parametrize("held_out", [300, 1000])  # the training file's 300 lines, and the default
+def test_a_stream_no_longer_than_its_held_out_start_is_refused_by_name(text_files, held_out):
+    with pytest.raises(ValueError, match=f"ends within its first {held_out} texts.*--streaming_validation_texts"):
+        load_raw_splits(train_file=str(text_files["train"]), streaming=True, streaming_validation_texts=held_out)
+    splits = load_raw_splits(train_file=str(text_files["train"]), streaming=True, streaming_validation_texts=299)
+    assert [example["text"] for example in splits["train"]] == text_files["train"].read_text().splitlines()[299:]
+
+
 def test_do_predict_scores_the_test_split_only(text_files, tmp_path):
     output_dir = tmp_path / "out"
     run_clm.main([*TINY_MODEL, *files_args(text_files), *FAST, "--tokenizer_type", "word", "--do_predict",
