@@ -1,4 +1,4 @@
-"""Command line: convert a transformers GPT-2 / Llama / Qwen2 / Mistral / ViT / DeiT checkpoint to p-LaT and save it,
+r"""Command line: convert a transformers GPT-2 / Llama / Qwen2 / Mistral / ViT / DeiT checkpoint to p-LaT and save it,
 with its tokenizer or image processor and a model card. The library function is
 ``modeling_plat.convert.convert_to_plat``.
 

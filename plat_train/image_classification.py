@@ -1,4 +1,4 @@
-"""The image-classification job: train or fine-tune a p-LaT (or softmax-attention) vision transformer with
+r"""The image-classification job: train or fine-tune a p-LaT (or softmax-attention) vision transformer with
 Trainer; ``run_image_classification.py`` and the ``plat-run-image-classification`` command start it.
 
 Offline by default: with no data flag it trains on Fashion-MNIST read from the Debian package
