@@ -48,7 +48,7 @@ from .text_data import (
     train_tokenizer,
     unigram_perplexity,
 )
-from .text_metrics import perplexity, preprocess_logits_for_metrics, sliding_window_metrics, token_accuracy
+from .text_metrics import preprocess_logits_for_metrics, sliding_window_metrics, token_accuracy
 from .trainers import PlatTrainer
 
 logger = logging.getLogger(__name__)
@@ -197,8 +197,7 @@ def check_stride(stride, block_size):
 def evaluate_split(trainer, prefix, blocks, tokenized, train_stream, data_args, block_size):
     """Metrics for one evaluation split: loss, perplexity and accuracy on blocks, unigram and sliding-window
     perplexities, all prefixed ``eval_`` (validation) or ``test_``."""
-    metrics = trainer.evaluate(eval_dataset=blocks, metric_key_prefix=prefix)
-    metrics[f"{prefix}_perplexity"] = perplexity(metrics[f"{prefix}_loss"])
+    metrics = trainer.evaluate(eval_dataset=blocks, metric_key_prefix=prefix)  # with the perplexity (PlatTrainer)
     max_tokens = None if data_args.max_eval_samples is None else data_args.max_eval_samples * block_size
     needs_stream = train_stream is not None or data_args.eval_stride is not None
     stream = token_stream(tokenized, max_tokens) if needs_stream else None

@@ -14,6 +14,7 @@ from modeling_plat import PlatConfigBase
 from modeling_plat.attention_interface import ATTN_IMPLEMENTATION
 
 from .model_cards import current_command, plap_interface_section, write_model_card
+from .text_metrics import perplexity
 
 # Parameters without weight decay besides biases and norms (which Trainer already spares): DeiT's
 # ``no_weight_decay`` set, learned tokens and positions.
@@ -53,12 +54,22 @@ class PlatModelCardMixin:
 
 
 class PlatTrainer(PlatModelCardMixin, Trainer):
-    """Trainer whose saved and pushed model card is the p-LaT one; ``train_data_collator``, when given, batches
-    the training set alone (padding-free packed documents), evaluation keeping ``data_collator``'s blocks."""
+    """The language-model trainer: its saved and pushed model card is the p-LaT one; every evaluation reports the
+    perplexity beside the loss, so that the trackers and ``--metric_for_best_model perplexity`` see it while training;
+    ``train_data_collator``, when given, batches the training set alone (padding-free packed documents), evaluation
+    keeping ``data_collator``'s blocks."""
 
     def __init__(self, *args, train_data_collator=None, **kwargs):
         super().__init__(*args, **kwargs)
         self.train_data_collator = train_data_collator
+
+    def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
+                        metric_key_prefix="eval"):  # fmt: skip
+        output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix)
+        loss = output.metrics.get(f"{metric_key_prefix}_loss")
+        if loss is not None:  # before evaluate logs the metrics and the best checkpoint is chosen by them
+            output.metrics[f"{metric_key_prefix}_perplexity"] = perplexity(loss)
+        return output
 
     def get_train_dataloader(self):
         if self.train_data_collator is None:
@@ -70,7 +81,7 @@ class PlatTrainer(PlatModelCardMixin, Trainer):
             self.data_collator = eval_collator
 
 
-class ImageClassificationTrainer(PlatTrainer):
+class ImageClassificationTrainer(PlatModelCardMixin, Trainer):
     """Trainer whose training loss is cross-entropy against soft targets.
 
     The model's own loss reads float labels as multi-label BCE; here, while training, Mixup/CutMix (when

@@ -295,6 +295,22 @@ def test_metrics_reach_tensorboard_and_disable_tqdm_silences_every_progress_bar(
             assert scalars[f"{split}/{name}"][-1] == pytest.approx(metrics[f"{split}_{name}"], rel=1e-6), (split, name)
 
 
+def test_every_evaluation_reports_the_perplexity_and_the_best_checkpoint_can_be_chosen_by_it(text_files, tmp_path):
+    output_dir = tmp_path / "out"
+    run_clm.main([*TINY_MODEL, *files_args(text_files), *FAST, "--tokenizer_type", "word", "--do_train",
+                  "--max_steps", "3", "--eval_strategy", "steps", "--eval_steps", "1", "--save_steps", "1",
+                  "--learning_rate", "3e-3", "--load_best_model_at_end", "--metric_for_best_model", "perplexity",
+                  "--greater_is_better", "false", "--output_dir", str(output_dir)])  # fmt: skip
+    state = json.loads((output_dir / "trainer_state.json").read_text())
+    evaluations = [entry for entry in state["log_history"] if "eval_loss" in entry]
+    assert len(evaluations) == 3
+    for entry in evaluations:
+        assert entry["eval_perplexity"] == pytest.approx(math.exp(entry["eval_loss"]), rel=1e-12)
+    best = min(evaluations, key=lambda entry: entry["eval_perplexity"])
+    assert state["best_metric"] == best["eval_perplexity"]
+    assert state["best_model_checkpoint"].endswith(f"checkpoint-{best['step']}")
+
+
 def test_penn_treebank_default_on_a_slice(tmp_path):
     output_dir = tmp_path / "out"
     run_clm.main([*TINY_MODEL, *FAST, "--do_train", "--do_eval", "--max_train_samples", "16", "--max_steps", "2",

@@ -167,6 +167,7 @@ def test_image_folders_full_recipe_then_pipeline(folders, tmp_path):
     for key in ("eval_loss", "eval_top1_accuracy", "eval_top5_accuracy", "ema_eval_top1_accuracy", "train_loss"):
         assert key in metrics
     assert metrics["eval_top5_accuracy"] == 1.0  # 3 classes: the top 5 hold them all
+    assert not [key for key in metrics if "perplexity" in key]  # the language-model trainer's metric alone
     # The text job's file names: eval_ for the validation split.
     assert (output_dir / "eval_results.json").is_file() and (output_dir / "ema_eval_results.json").is_file()
     classifier = pipeline("image-classification", model=str(output_dir))
