@@ -316,6 +316,30 @@ def test_trainer_label_smoothing_scores_the_next_token(tmp_path):
     torch.testing.assert_close(loss, next_token)
 
 
+def test_gradient_accumulation_gives_the_step_of_the_whole_batch(tmp_path):
+    """Trainer passes the accumulated batch's target count (num_items_in_batch) to the model's loss: two half
+    batches with different numbers of ignored labels take the step of the whole batch."""
+    torch.manual_seed(0)
+    rows = []
+    for ignored in (0, 9, 2, 10):
+        ids = torch.randint(2, 61, (12,))
+        rows.append({"input_ids": ids, "labels": ids.clone().index_fill_(0, torch.arange(ignored), -100)})
+    models = []
+    for batch_size, accumulation in ((4, 1), (2, 2)):
+        model = lm()  # the same weights each time
+        args = TrainingArguments(tmp_path / str(accumulation), per_device_train_batch_size=batch_size,
+                                 gradient_accumulation_steps=accumulation, max_steps=1, learning_rate=0.1, optim="sgd",
+                                 lr_scheduler_type="constant", max_grad_norm=0, report_to=[], use_cpu=not ON_CUDA)
+        trainer = Trainer(model, args, train_dataset=rows)
+        trainer._get_train_sampler = lambda *args, **kwargs: torch.utils.data.SequentialSampler(rows)
+        trainer.train()
+        models.append(model)
+    step = [(whole - halves).abs().max() for whole, halves in zip(*(model.parameters() for model in models))]
+    assert max(step) < 1e-6
+    assert max((trained - initial.to(trained.device)).abs().max() for trained, initial in
+               zip(models[0].parameters(), lm().parameters())) > 1e-3  # fmt: skip
+
+
 @pytest.mark.parametrize("formulation", ["paper", "euler"])
 def test_greedy_generate_with_and_without_cache(formulation, shape):
     model = lm(plap_formulation=formulation, **shape).to(DEVICE)
