@@ -9,6 +9,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import huggingface_hub
 import torch
 import yaml
 from transformers import TrainingArguments
@@ -75,8 +76,9 @@ class ModelArguments:
 @dataclass
 class PlatTrainingArguments(TrainingArguments):
     """``TrainingArguments`` plus ``--overwrite_output_dir``, which transformers 5 removed but the examples'
-    resume-or-refuse logic for an existing ``output_dir`` needs (see ``runs.detect_last_checkpoint``), and pinned
-    data-loader memory only where an accelerator can use it (torch warns at every data loader otherwise)."""
+    resume-or-refuse logic for an existing ``output_dir`` needs (see ``runs.detect_last_checkpoint``), pinned
+    data-loader memory only where an accelerator can use it (torch warns at every data loader otherwise), and
+    ``--push_to_hub`` refused in offline mode."""
 
     overwrite_output_dir: bool = field(
         default=False,
@@ -89,6 +91,12 @@ class PlatTrainingArguments(TrainingArguments):
         super().__post_init__()
         if not accelerator_available():
             self.dataloader_pin_memory = False
+        # Refused with the arguments: Trainer would fail creating the repository, after the data had loaded.
+        if self.push_to_hub and huggingface_hub.constants.HF_HUB_OFFLINE:
+            raise ValueError(
+                "--push_to_hub needs the Hugging Face Hub, but offline mode is on (HF_HUB_OFFLINE): drop --push_to_hub "
+                "and upload the output_dir later (hf upload <repo id> <output_dir>)"
+            )
 
 
 def accelerator_available():

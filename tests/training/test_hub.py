@@ -7,6 +7,7 @@ from fnmatch import fnmatch
 from pathlib import Path
 from types import SimpleNamespace
 
+import huggingface_hub
 import pytest
 import yaml
 
@@ -53,7 +54,20 @@ class FakeHub:
 def hub(monkeypatch):
     fake = FakeHub()
     monkeypatch.setattr(transformers.trainer, "hf_api", lambda: fake)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)  # reachable, as far as the jobs know
     return fake
+
+
+@pytest.mark.parametrize("script", ["run_clm", "run_image_classification"])
+def test_push_to_hub_in_offline_mode_is_refused_with_the_arguments(script, monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    output_dir = tmp_path / "out"
+    with pytest.raises(SystemExit) as exited:
+        load_script(script).main(["--do_train", "--output_dir", str(output_dir), "--push_to_hub",
+                                  "--hub_model_id", "someone/plat"])  # fmt: skip
+    assert exited.value.code == 2
+    assert "offline mode is on (HF_HUB_OFFLINE): drop --push_to_hub" in capsys.readouterr().err
+    assert not output_dir.exists()
 
 
 def card_of(folder):
