@@ -29,6 +29,7 @@ from transformers import (
 from .arguments import ModelArguments, PlatTrainingArguments, parse_args
 from .model_cards import PTB_DATASET
 from .model_setup import build_config, load_model, saved_config
+from .preemption import end_if_stopped
 from .runs import (
     check_launch,
     detect_last_checkpoint,
@@ -303,6 +304,7 @@ def main(args=None):
     # Train, evaluate, describe
     if training_args.do_train:
         result = trainer.train(resume_from_checkpoint=last_checkpoint)
+        end_if_stopped(trainer)
         trainer.save_model()  # the tokenizer too
         metrics = result.metrics
         if hasattr(train_blocks, "__len__"):

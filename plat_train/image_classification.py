@@ -35,6 +35,7 @@ from .arguments import ModelArguments, PlatTrainingArguments, parse_args
 from .ema import EMA_WEIGHTS_NAME, ModelEmaCallback
 from .model_cards import FASHION_MNIST_DATASET
 from .model_setup import build_config, converted_on_load, load_model, saved_config
+from .preemption import end_if_stopped
 from .presets import image_processor_preset
 from .runs import (
     check_launch,
@@ -337,6 +338,7 @@ def main(args=None):
     # Train, evaluate, describe
     if training_args.do_train:
         result = trainer.train(resume_from_checkpoint=last_checkpoint)
+        end_if_stopped(trainer)
         trainer.save_model()
         record_metrics(trainer, "train", result.metrics)
         trainer.save_state()

@@ -226,16 +226,16 @@ def publish(trainer, card, push_to_hub):
     release_process_group()
 
 
-def release_process_group():
-    """End a distributed job that succeeded: every process waits for the others, then leaves without the
-    interpreter's teardown.
+def release_process_group(status=0):
+    """End a distributed job whose processes all got here: every process waits for the others, then leaves with
+    ``status`` without the interpreter's teardown.
 
     When the job's objects are freed, the last reference to gloo's process group (held by the DDP model) joins
     gloo's worker threads while holding the GIL; a worker that is still freeing finished work that references
     Python tensors needs the GIL too, and the process hangs (or aborts with "terminate called without an active
     exception" if the interpreter is already shutting down), after the outputs are written. Destroying the group
-    does not stop those threads, so once every output is on disk the processes exit directly (status 0) with
-    their streams and logs flushed. Not done after an error: a peer may still wait in a collective.
+    does not stop those threads, so once every output is on disk the processes exit directly with their streams and
+    logs flushed. Not done after an error: a peer may still wait in a collective.
     """
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return
@@ -244,4 +244,4 @@ def release_process_group():
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(status)

@@ -14,6 +14,7 @@ from modeling_plat import PlatConfigBase
 from modeling_plat.attention_interface import ATTN_IMPLEMENTATION
 
 from .model_cards import current_command, plap_interface_section, write_model_card
+from .preemption import CheckpointOnSigtermMixin
 from .text_metrics import perplexity
 
 # Parameters without weight decay besides biases and norms (which Trainer already spares): DeiT's
@@ -53,11 +54,12 @@ class PlatModelCardMixin:
                                 hyperparameters=extract_hyperparameters_from_trainer(self), **extra)
 
 
-class PlatTrainer(PlatModelCardMixin, Trainer):
-    """The language-model trainer: its saved and pushed model card is the p-LaT one; every evaluation reports the
-    perplexity beside the loss, so that the trackers and ``--metric_for_best_model perplexity`` see it while training;
-    ``train_data_collator``, when given, batches the training set alone (padding-free packed documents), evaluation
-    keeping ``data_collator``'s blocks."""
+class PlatTrainer(PlatModelCardMixin, CheckpointOnSigtermMixin, Trainer):
+    """The language-model trainer: its saved and pushed model card is the p-LaT one; ``--enable_jit_checkpoint`` stops
+    training at a checkpoint on SIGTERM (``preemption``); every evaluation reports the perplexity beside the loss, so
+    that the trackers and ``--metric_for_best_model perplexity`` see it while training; ``train_data_collator``, when
+    given, batches the training set alone (padding-free packed documents), evaluation keeping ``data_collator``'s
+    blocks."""
 
     def __init__(self, *args, train_data_collator=None, **kwargs):
         super().__init__(*args, **kwargs)
@@ -81,14 +83,15 @@ class PlatTrainer(PlatModelCardMixin, Trainer):
             self.data_collator = eval_collator
 
 
-class ImageClassificationTrainer(PlatModelCardMixin, Trainer):
+class ImageClassificationTrainer(PlatModelCardMixin, CheckpointOnSigtermMixin, Trainer):
     """Trainer whose training loss is cross-entropy against soft targets.
 
     The model's own loss reads float labels as multi-label BCE; here, while training, Mixup/CutMix (when
     given) turns class indices into mixed one-hot targets and ``label_smoothing_factor`` smooths them, so
     ``F.cross_entropy`` with probability targets is the right loss. Evaluation uses the hard labels and
     plain cross-entropy, so eval loss and accuracy are comparable across recipes. Its model card is the
-    p-LaT one (``PlatModelCardMixin``).
+    p-LaT one (``PlatModelCardMixin``); ``--enable_jit_checkpoint`` stops training at a checkpoint on SIGTERM
+    (``preemption``).
     """
 
     # The loss is a per-batch mean: let Trainer divide it over gradient accumulation steps.

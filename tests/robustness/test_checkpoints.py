@@ -89,48 +89,99 @@ def test_an_output_dir_without_a_finished_checkpoint_is_trained_into_only_if_a_r
         detect_last_checkpoint(args)
 
 
-def test_run_killed_mid_training_resumes_to_the_same_result(tmp_path):
-    """SIGKILL after the first checkpoint, rerun the same command: same final metrics as an uninterrupted run."""
-    import signal
+def whole_json(path):
+    try:
+        return bool(json.loads(path.read_text()))
+    except (OSError, ValueError):
+        return False
+
+
+def results(output_dir):
+    return json.loads((output_dir / "all_results.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def clm_job(tmp_path_factory):
+    """run_clm.py's command for 64 steps on lines of random words, saving every 4, into a given folder (more flags
+    after it); and the results of that run when nothing stops it. A signal sent once the first checkpoint is whole
+    reaches the run with about 60 steps to go (a second or more)."""
     import subprocess
     import sys
-    import time
     from pathlib import Path
 
     from tiny import FAST, TINY_MODEL, write_lines
 
-    train, validation = write_lines(tmp_path / "train.txt", 200), write_lines(tmp_path / "valid.txt", 20, seed=1)
+    folder = tmp_path_factory.mktemp("clm-job")
+    train, validation = write_lines(folder / "train.txt", 200), write_lines(folder / "valid.txt", 20, seed=1)
     script = Path(__file__).resolve().parents[2] / "run_clm.py"
 
-    def command(output_dir):
+    def command(output_dir, *flags):
         # The Trainer takes a GPU where there is one: --use_cpu keeps the runs on the tests' device if that is the CPU.
         return [sys.executable, str(script), *TINY_MODEL, *FAST, "--train_file", str(train), "--validation_file",
-                str(validation), "--do_train", "--do_eval", "--max_steps", "24", "--save_steps", "4",
+                str(validation), "--do_train", "--do_eval", "--max_steps", "64", "--save_steps", "4",
                 "--seed", "3", "--learning_rate", "3e-3", "--output_dir", str(output_dir), "--disable_tqdm", "true",
-                *([] if ON_CUDA else ["--use_cpu"])]
+                *([] if ON_CUDA else ["--use_cpu"]), *flags]  # fmt: skip
 
-    def metrics(output_dir):
-        return json.loads((output_dir / "all_results.json").read_text())
+    subprocess.run(command(folder / "straight"), check=True, capture_output=True, timeout=600)
+    return command, results(folder / "straight")
 
-    def whole_json(path):
-        try:
-            return bool(json.loads(path.read_text()))
-        except (OSError, ValueError):
-            return False
 
-    subprocess.run(command(tmp_path / "straight"), check=True, capture_output=True, timeout=600)
+def stopped_after_first_checkpoint(command, output_dir, signum):
+    """Runs ``command`` and sends it ``signum`` once its first checkpoint is whole; its output when it has ended."""
+    import subprocess
+    import time
 
-    killed = tmp_path / "killed"
-    process = subprocess.Popen(command(killed), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 300
-    while not whole_json(killed / "checkpoint-4" / "trainer_state.json"):  # killed once that checkpoint is complete
+    while not whole_json(output_dir / "checkpoint-4" / "trainer_state.json"):
         assert process.poll() is None and time.monotonic() < deadline, "the run ended before its first checkpoint"
         time.sleep(0.01)
-    process.send_signal(signal.SIGKILL)
-    process.wait()
-    assert not (killed / "all_results.json").exists()
-    resumed = subprocess.run(command(killed), capture_output=True, text=True, timeout=600)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "resuming training at" in resumed.stdout + resumed.stderr
-    straight, again = metrics(tmp_path / "straight"), metrics(killed)
+    process.send_signal(signum)
+    output = process.communicate(timeout=300)[0]
+    return process.returncode, output
+
+
+def resumed(command, output_dir):
+    """Runs ``command`` again into ``output_dir``: the checkpoint it resumed from (its log line), and its results."""
+    import re
+    import subprocess
+
+    again = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]
+    return re.findall(r"resuming training at (\S+)\.", again.stdout + again.stderr), results(output_dir)
+
+
+def test_run_killed_mid_training_resumes_to_the_same_result(tmp_path, clm_job):
+    """SIGKILL after the first checkpoint, rerun the same command: same final metrics as an uninterrupted run."""
+    import signal
+
+    command, straight = clm_job
+    killed = tmp_path / "killed"
+    returncode, _ = stopped_after_first_checkpoint(command(killed), killed, signal.SIGKILL)
+    assert returncode == -signal.SIGKILL and not (killed / "all_results.json").exists()
+    resumed_from, again = resumed(command(killed), killed)
+    assert len(resumed_from) == 1
+    assert again["eval_loss"] == pytest.approx(straight["eval_loss"], rel=1e-4)
+
+
+def test_run_stopped_by_sigterm_saves_its_step_ends_and_resumes_to_the_same_result(tmp_path, clm_job):
+    """--enable_jit_checkpoint, SIGTERM after the first checkpoint: the step under way is saved, the job ends with
+    status 143 leaving no results or final model, and the same command resumes from that step to the same result."""
+    import signal
+
+    from plat_train.preemption import STOPPED_STATUS
+    from plat_train.runs import checkpoint_folders, unfinished_reason
+
+    command, straight = clm_job
+    stopped = tmp_path / "stopped"
+    returncode, output = stopped_after_first_checkpoint(command(stopped, "--enable_jit_checkpoint", "true"), stopped,
+                                                        signal.SIGTERM)  # fmt: skip
+    assert returncode == STOPPED_STATUS, output[-3000:]
+    newest = checkpoint_folders(stopped)[0]
+    step = int(newest.name.removeprefix("checkpoint-"))
+    assert 4 < step < 64 and unfinished_reason(newest) is None
+    assert f"Training stopped on SIGTERM at step {step} of 64" in output and "run the same command again" in output
+    assert not (stopped / "all_results.json").exists() and not (stopped / "model.safetensors").exists()
+    resumed_from, again = resumed(command(stopped, "--enable_jit_checkpoint", "true"), stopped)
+    assert resumed_from == [str(newest)]
     assert again["eval_loss"] == pytest.approx(straight["eval_loss"], rel=1e-4)

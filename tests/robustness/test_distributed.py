@@ -98,6 +98,47 @@ def test_run_clm_two_process_ddp_matches_one_process(launcher, text_job, tmp_pat
     assert model.config.vocab_size == len(AutoTokenizer.from_pretrained(tmp_path))
 
 
+def test_sigterm_to_one_process_stops_both_at_one_checkpoint(text_job, tmp_path):
+    """--enable_jit_checkpoint under torchrun, SIGTERM to rank 1 alone (a node preempted before the others): both
+    processes stop at the same step and save it whole, the job ends instead of hanging, and the same command resumes
+    from that step to the end."""
+    import signal
+    import time
+
+    import psutil
+
+    common, _ = text_job
+    script = ROOT / "run_clm.py"
+    flags = [*map(str, common), "--per_device_train_batch_size", "4", "--max_steps", "100", "--save_steps", "4",
+             "--enable_jit_checkpoint", "true", "--output_dir", str(tmp_path)]  # fmt: skip
+    launcher = subprocess.Popen([*two_processes("torchrun"), str(script), *flags, "--ddp_backend", "gloo"], cwd=ROOT,
+                                env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 300
+        while not (tmp_path / "checkpoint-4" / "trainer_state.json").exists():
+            assert launcher.poll() is None and time.monotonic() < deadline, "the run ended before its first checkpoint"
+            time.sleep(0.01)
+        rank_1 = [worker for worker in psutil.Process(launcher.pid).children(recursive=True)
+                  if worker.environ().get("RANK") == "1"]  # fmt: skip
+        assert len(rank_1) == 1
+        rank_1[0].send_signal(signal.SIGTERM)
+        output = launcher.communicate(timeout=120)[0]
+    except subprocess.TimeoutExpired:
+        os.killpg(launcher.pid, signal.SIGKILL)
+        pytest.fail("the processes did not end after one of them got SIGTERM: " + launcher.communicate()[0][-3000:])
+    step = max(int(folder.name.removeprefix("checkpoint-")) for folder in tmp_path.glob("checkpoint-*"))
+    assert f"Training stopped on SIGTERM at step {step} of 100" in output and 4 < step < 100, output[-3000:]
+    newest = tmp_path / f"checkpoint-{step}"
+    assert json.loads((newest / "trainer_state.json").read_text())["global_step"] == step
+    assert (newest / "rng_state_0.pth").is_file() and (newest / "rng_state_1.pth").is_file()
+    assert not (tmp_path / "all_results.json").exists()
+
+    output = launch(script, *flags, launcher="torchrun")
+    assert f"resuming training at {newest}" in output
+    assert json.loads((tmp_path / "trainer_state.json").read_text())["global_step"] == 100
+
+
 def write_square_images(root, per_class, seed):
     """Square images, so that a crop of the whole area (crop_scale_min 1) is the only crop: no augmentation."""
     rng = np.random.default_rng(seed)
