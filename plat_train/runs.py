@@ -162,7 +162,9 @@ def last_complete_checkpoint(output_dir, required=()):
 def detect_last_checkpoint(training_args, required=()):
     """The checkpoint to resume from, following the transformers examples.
 
-    An explicit ``--resume_from_checkpoint`` wins. Otherwise, when training into an ``output_dir`` that
+    An explicit ``--resume_from_checkpoint`` wins, checked before any work: it must be a checkpoint folder whose save
+    finished (``unfinished_reason``; one without the files ``required`` is taken, their callbacks starting afresh).
+    Otherwise, when training into an ``output_dir`` that
     already holds ``checkpoint-*`` folders, the newest finished one (``last_complete_checkpoint``, with the files
     ``required`` beside Trainer's) is returned (and logged) unless ``--overwrite_output_dir`` (an
     ``arguments.PlatTrainingArguments`` field; plain ``TrainingArguments`` count as False). Without one, a folder
@@ -173,6 +175,13 @@ def detect_last_checkpoint(training_args, required=()):
     """
     overwrite_output_dir = getattr(training_args, "overwrite_output_dir", False)
     if training_args.resume_from_checkpoint is not None:
+        folder = Path(training_args.resume_from_checkpoint)
+        reason = "there is no such folder" if not folder.is_dir() else unfinished_reason(folder)
+        if reason is not None:
+            raise ValueError(
+                f"--resume_from_checkpoint {folder} cannot be resumed from: {reason}. Give a checkpoint-N folder of a "
+                "run, or leave the flag out to resume from the newest finished checkpoint in --output_dir."
+            )
         return training_args.resume_from_checkpoint
     output_dir = Path(training_args.output_dir)
     if not training_args.do_train or overwrite_output_dir or not output_dir.is_dir():

@@ -89,6 +89,28 @@ def test_an_output_dir_without_a_finished_checkpoint_is_trained_into_only_if_a_r
         detect_last_checkpoint(args)
 
 
+def test_a_checkpoint_named_to_resume_from_is_checked_before_any_work(tmp_path):
+    """A path that is no folder (which the tokenizer's loading would take for a Hub id, trying the network) or an
+    unfinished checkpoint is refused at once; a finished one is taken without the files only the job's callbacks need
+    (the weight average then restarts, with a warning)."""
+    from types import SimpleNamespace
+
+    from plat_train.ema import EMA_WEIGHTS_NAME
+    from plat_train.runs import detect_last_checkpoint
+
+    def named(path):
+        return SimpleNamespace(resume_from_checkpoint=str(path), output_dir=str(tmp_path / "out"), do_train=True)
+
+    with pytest.raises(ValueError, match="nowhere/checkpoint-9 cannot be resumed from: there is no such folder"):
+        detect_last_checkpoint(named("nowhere/checkpoint-9"))
+    (tmp_path / "checkpoint-2").mkdir()
+    (tmp_path / "checkpoint-2" / "trainer_state.json").write_text('{"global_step": 2')
+    with pytest.raises(ValueError, match="checkpoint-2 cannot be resumed from: its trainer_state.json is missing"):
+        detect_last_checkpoint(named(tmp_path / "checkpoint-2"))
+    (tmp_path / "checkpoint-2" / "trainer_state.json").write_text('{"global_step": 2}')
+    assert detect_last_checkpoint(named(tmp_path / "checkpoint-2"), (EMA_WEIGHTS_NAME,)) == str(tmp_path / "checkpoint-2")
+
+
 def whole_json(path):
     try:
         return bool(json.loads(path.read_text()))
