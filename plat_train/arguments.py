@@ -78,7 +78,7 @@ class PlatTrainingArguments(TrainingArguments):
     """``TrainingArguments`` plus ``--overwrite_output_dir``, which transformers 5 removed but the examples'
     resume-or-refuse logic for an existing ``output_dir`` needs (see ``runs.detect_last_checkpoint``), pinned
     data-loader memory only where an accelerator can use it (torch warns at every data loader otherwise), and
-    ``--push_to_hub`` refused in offline mode."""
+    ``--push_to_hub`` refused with the arguments when the Hub cannot take the push (``check_hub_access``)."""
 
     overwrite_output_dir: bool = field(
         default=False,
@@ -91,12 +91,32 @@ class PlatTrainingArguments(TrainingArguments):
         super().__post_init__()
         if not accelerator_available():
             self.dataloader_pin_memory = False
-        # Refused with the arguments: Trainer would fail creating the repository, after the data had loaded.
-        if self.push_to_hub and huggingface_hub.constants.HF_HUB_OFFLINE:
-            raise ValueError(
-                "--push_to_hub needs the Hugging Face Hub, but offline mode is on (HF_HUB_OFFLINE): drop --push_to_hub "
-                "and upload the output_dir later (hf upload <repo id> <output_dir>)"
-            )
+        if self.push_to_hub:
+            check_hub_access(self.hub_token)
+
+
+# How to push a finished run's folder without --push_to_hub.
+UPLOAD_LATER = "drop --push_to_hub and upload the output_dir later (hf upload <repo id> <output_dir>)"
+
+
+def check_hub_access(token):
+    """Refuse --push_to_hub with the arguments when the Hub cannot take the push: offline mode, no token, a token it
+    refuses, no connection. Trainer would fail creating the repository after the data had loaded and the model was
+    built, in a Hub client's traceback."""
+    if huggingface_hub.constants.HF_HUB_OFFLINE:
+        raise ValueError(f"--push_to_hub needs the Hugging Face Hub, but offline mode is on (HF_HUB_OFFLINE): "
+                         f"{UPLOAD_LATER}")  # fmt: skip
+    try:
+        huggingface_hub.whoami(token=token)
+    except huggingface_hub.errors.LocalTokenNotFoundError as error:
+        raise ValueError("--push_to_hub needs a Hugging Face token: log in (hf auth login), set HF_TOKEN or pass "
+                         f"--hub_token; or {UPLOAD_LATER}") from error  # fmt: skip
+    except huggingface_hub.errors.HfHubHTTPError as error:
+        raise ValueError(f"--push_to_hub: the Hugging Face Hub refused the token ({error}); log in again (hf auth "
+                         f"login) or pass another --hub_token") from error  # fmt: skip
+    except Exception as error:  # the HTTP client's connection errors, which have no common base with the Hub's own
+        raise ValueError(f"--push_to_hub needs the Hugging Face Hub, which could not be reached "
+                         f"({type(error).__name__}: {error}): check the network, or {UPLOAD_LATER}") from error
 
 
 def accelerator_available():

@@ -60,7 +60,8 @@ class CheckpointOnSigterm(TrainerCallback):
             logger.warning(f"SIGTERM: saving the checkpoint of step {state.global_step} and stopping training")
 
     def agreed(self, device):
-        """Whether any process of the job was signalled (one all-reduce on the backend's device in a distributed run)."""
+        """Whether any process of the job was signalled: one all-reduce on the backend's device in a distributed
+        run."""
         if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
             return self.signalled
         flag = torch.tensor([int(self.signalled)], device=device)
@@ -94,7 +95,8 @@ class CheckpointOnSigtermMixin:
 
 
 def end_if_stopped(trainer):
-    """After ``trainer.train``: end the job with ``STOPPED_STATUS`` if SIGTERM stopped training, saying how to resume."""
+    """After ``trainer.train``: end the job with ``STOPPED_STATUS`` if SIGTERM stopped training, saying how to
+    resume."""
     step = trainer.stopped_at()
     if step is None:
         return

@@ -108,7 +108,8 @@ def test_a_checkpoint_named_to_resume_from_is_checked_before_any_work(tmp_path):
     with pytest.raises(ValueError, match="checkpoint-2 cannot be resumed from: its trainer_state.json is missing"):
         detect_last_checkpoint(named(tmp_path / "checkpoint-2"))
     (tmp_path / "checkpoint-2" / "trainer_state.json").write_text('{"global_step": 2}')
-    assert detect_last_checkpoint(named(tmp_path / "checkpoint-2"), (EMA_WEIGHTS_NAME,)) == str(tmp_path / "checkpoint-2")
+    finished = tmp_path / "checkpoint-2"
+    assert detect_last_checkpoint(named(finished), (EMA_WEIGHTS_NAME,)) == str(finished)
 
 
 def whole_json(path):

@@ -55,6 +55,7 @@ def hub(monkeypatch):
     fake = FakeHub()
     monkeypatch.setattr(transformers.trainer, "hf_api", lambda: fake)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)  # reachable, as far as the jobs know
+    monkeypatch.setattr(huggingface_hub, "whoami", lambda token=None: {"name": "someone"})  # logged in
     return fake
 
 
@@ -67,6 +68,41 @@ def test_push_to_hub_in_offline_mode_is_refused_with_the_arguments(script, monke
                                   "--hub_model_id", "someone/plat"])  # fmt: skip
     assert exited.value.code == 2
     assert "offline mode is on (HF_HUB_OFFLINE): drop --push_to_hub" in capsys.readouterr().err
+    assert not output_dir.exists()
+
+
+def hub_failure(kind):
+    """The error huggingface_hub.whoami raises without a token, with one the Hub refuses, and without a connection."""
+    http = importlib.import_module(huggingface_hub.errors.HfHubHTTPError.__mro__[1].__module__)  # the Hub client's
+    if kind == "no token":
+        return huggingface_hub.errors.LocalTokenNotFoundError("Token is required to call the /whoami-v2 endpoint")
+    if kind == "refused":
+        response = http.Response(401, request=http.Request("GET", "https://huggingface.co/api/whoami-v2"))
+        return huggingface_hub.errors.HfHubHTTPError("401 Client Error: Unauthorized", response=response)
+    return http.ConnectError("[Errno -2] Name or service not known")
+
+
+@pytest.mark.parametrize("kind, message", [
+    ("no token", "needs a Hugging Face token: log in (hf auth login), set HF_TOKEN or pass --hub_token; or drop"),
+    ("refused", "the Hugging Face Hub refused the token (401 Client Error: Unauthorized); log in again"),
+    ("unreachable", "could not be reached (ConnectError: [Errno -2] Name or service not known): check the network"),
+])  # fmt: skip
+def test_push_to_hub_that_the_hub_cannot_take_is_refused_with_the_arguments(kind, message, monkeypatch, tmp_path,
+                                                                           capsys):  # fmt: skip
+    """Before the data load: Trainer would fail creating the repository once the data and model were ready."""
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+
+    def whoami(token=None):
+        assert token == "hf_given"  # --hub_token, else the Hub client's own (HF_TOKEN, the login)
+        raise hub_failure(kind)
+
+    monkeypatch.setattr(huggingface_hub, "whoami", whoami)
+    output_dir = tmp_path / "out"
+    with pytest.raises(SystemExit) as exited:
+        load_script("run_clm").main(["--do_train", "--output_dir", str(output_dir), "--push_to_hub", "--hub_token",
+                                     "hf_given"])  # fmt: skip
+    assert exited.value.code == 2
+    assert message in capsys.readouterr().err
     assert not output_dir.exists()
 
 
