@@ -164,14 +164,13 @@ def detect_last_checkpoint(training_args, required=()):
 
     An explicit ``--resume_from_checkpoint`` wins, checked before any work: it must be a checkpoint folder whose save
     finished (``unfinished_reason``; one without the files ``required`` is taken, their callbacks starting afresh).
-    Otherwise, when training into an ``output_dir`` that
-    already holds ``checkpoint-*`` folders, the newest finished one (``last_complete_checkpoint``, with the files
-    ``required`` beside Trainer's) is returned (and logged) unless ``--overwrite_output_dir`` (an
-    ``arguments.PlatTrainingArguments`` field; plain ``TrainingArguments`` count as False). Without one, a folder
-    that holds only what a run stopped before its first finished checkpoint leaves (unfinished checkpoints,
-    ``EARLY_LEFTOVERS``) is trained into from the start, so that the same command runs again; any other non-empty
-    ``output_dir`` raises, so that a finished run is not silently overwritten. Returns None when training starts
-    from scratch.
+    Otherwise, when training into an ``output_dir`` that already holds ``checkpoint-*`` folders, the newest finished
+    one (``last_complete_checkpoint``, with the files ``required`` beside Trainer's) is returned (and logged) unless
+    ``--overwrite_output_dir`` (an ``arguments.PlatTrainingArguments`` field; plain ``TrainingArguments`` count as
+    False). Without one, a folder that holds only what a run stopped before its first finished checkpoint leaves
+    (unfinished checkpoints, ``EARLY_LEFTOVERS``) is trained into from the start, so that the same command runs
+    again; any other non-empty ``output_dir`` raises, so that a finished run is not silently overwritten. Returns
+    None when training starts from scratch.
     """
     overwrite_output_dir = getattr(training_args, "overwrite_output_dir", False)
     if training_args.resume_from_checkpoint is not None:
