@@ -119,6 +119,15 @@ def check_hub_access(token):
                          f"({type(error).__name__}: {error}): check the network, or {UPLOAD_LATER}") from error
 
 
+def check_minimum(arguments, minimum, *names):
+    """Refuse, while the arguments are read, any of the fields ``names`` of ``arguments`` below ``minimum`` (those
+    left unset, None, pass)."""
+    for name in names:
+        value = getattr(arguments, name)
+        if value is not None and value < minimum:
+            raise ValueError(f"--{name} must be at least {minimum}; got {value}")
+
+
 def accelerator_available():
     """Whether torch's data loaders find an accelerator to pin memory for (CUDA before torch 2.6)."""
     accelerator = getattr(torch, "accelerator", None)

@@ -26,7 +26,7 @@ from transformers import (
     set_seed,
 )
 
-from .arguments import ModelArguments, PlatTrainingArguments, parse_args
+from .arguments import ModelArguments, PlatTrainingArguments, check_minimum, parse_args
 from .model_cards import PTB_DATASET
 from .model_setup import build_config, load_model, saved_config
 from .preemption import end_if_stopped
@@ -132,12 +132,10 @@ class TextDataArguments:
     )
 
     def __post_init__(self):
-        # Here, while the arguments are read, rather than after training; the stride's upper bound, the block size,
-        # is checked once the model's context is known (check_stride).
-        if self.eval_stride is not None and self.eval_stride < 1:
-            raise ValueError(f"--eval_stride must be at least 1; got {self.eval_stride}")
-        if self.sliding_window_batch_size < 1:
-            raise ValueError(f"--sliding_window_batch_size must be at least 1; got {self.sliding_window_batch_size}")
+        # Here, while the arguments are read, rather than after training (or, for a sample count, in a message about
+        # the data); the stride's upper bound, the block size, is checked once the model's context is known
+        # (check_stride).
+        check_minimum(self, 1, "max_train_samples", "max_eval_samples", "eval_stride", "sliding_window_batch_size")
 
 
 def build_tokenizer(model_args, raw_splits, last_checkpoint, model_max_length=None):

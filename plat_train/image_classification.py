@@ -31,7 +31,7 @@ from transformers.models.auto.image_processing_auto import AutoImageProcessor
 from modeling_plat import PlatImageProcessor
 
 from . import vision_data
-from .arguments import ModelArguments, PlatTrainingArguments, parse_args
+from .arguments import ModelArguments, PlatTrainingArguments, check_minimum, parse_args
 from .ema import EMA_WEIGHTS_NAME, ModelEmaCallback
 from .model_cards import FASHION_MNIST_DATASET
 from .model_setup import build_config, converted_on_load, load_model, saved_config
@@ -85,6 +85,10 @@ class ImageDataArguments:
     max_eval_samples: int | None = field(default=None, metadata={"help": "Truncate validation and test."})
     preprocessing_num_workers: int | None = field(default=None, metadata={"help": "Processes for checking images."})
 
+    def __post_init__(self):
+        # An empty split would fail in Trainer's sampler, after the data had loaded.
+        check_minimum(self, 1, "max_train_samples", "max_eval_samples")
+
 
 @dataclass
 class AugmentArguments:
@@ -126,9 +130,7 @@ class AugmentArguments:
         for name in ("crop_scale_min", "eval_crop_pct"):
             if not 0 < getattr(self, name) <= 1:
                 raise ValueError(f"--{name} is a fraction of the image: above 0, at most 1; got {getattr(self, name)}")
-        for name in ("rand_augment_ops", "rand_augment_magnitude_std", "mixup_alpha", "cutmix_alpha"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"--{name} must be at least 0; got {getattr(self, name)}")
+        check_minimum(self, 0, "rand_augment_ops", "rand_augment_magnitude_std", "mixup_alpha", "cutmix_alpha")
 
 
 def load_raw_datasets(data_args, model_args, seed):

@@ -142,6 +142,10 @@ BAD_ARGUMENTS = {
     "a stride below 1": (["--model_type", "plat", "--eval_stride", "0"], "--eval_stride must be at least 1; got 0"),
     "no windows per batch": (["--model_type", "plat", "--sliding_window_batch_size", "0"],
                              "--sliding_window_batch_size must be at least 1; got 0"),
+    "no training blocks": (["--model_type", "plat", "--max_train_samples", "0"],
+                           "--max_train_samples must be at least 1; got 0"),
+    "a negative count of blocks to score": (["--model_type", "plat", "--max_eval_samples", "-3"],
+                                            "--max_eval_samples must be at least 1; got -3"),
     "values that TrainingArguments refuses": (
         ["--model_type", "plat", "--eval_strategy", "steps", "--save_strategy", "epoch", "--load_best_model_at_end"],
         "--load_best_model_at_end requires the save and eval strategy to match"),
