@@ -136,6 +136,10 @@ class TextDataArguments:
         # the data); the stride's upper bound, the block size, is checked once the model's context is known
         # (check_stride).
         check_minimum(self, 1, "max_train_samples", "max_eval_samples", "eval_stride", "sliding_window_batch_size")
+        check_minimum(self, 0, "streaming_validation_texts")
+        if not 0 <= self.validation_split_percentage < 100:
+            raise ValueError("--validation_split_percentage must lie between 0 (nothing held out) and 99; got "
+                             f"{self.validation_split_percentage}")  # fmt: skip
 
 
 def build_tokenizer(model_args, raw_splits, last_checkpoint, model_max_length=None):

@@ -146,6 +146,13 @@ BAD_ARGUMENTS = {
                            "--max_train_samples must be at least 1; got 0"),
     "a negative count of blocks to score": (["--model_type", "plat", "--max_eval_samples", "-3"],
                                             "--max_eval_samples must be at least 1; got -3"),
+    "a held-out share above the whole": (["--model_type", "plat", "--validation_split_percentage", "150"],
+                                         "--validation_split_percentage must lie between 0 (nothing held out) and 99; "
+                                         "got 150"),
+    "a negative held-out share": (["--model_type", "plat", "--validation_split_percentage", "-5"],
+                                  "--validation_split_percentage must lie between 0 (nothing held out) and 99"),
+    "a negative count of held-out streamed texts": (["--model_type", "plat", "--streaming_validation_texts", "-1"],
+                                                    "--streaming_validation_texts must be at least 0; got -1"),
     "values that TrainingArguments refuses": (
         ["--model_type", "plat", "--eval_strategy", "steps", "--save_strategy", "epoch", "--load_best_model_at_end"],
         "--load_best_model_at_end requires the save and eval strategy to match"),
