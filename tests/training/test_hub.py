@@ -73,7 +73,8 @@ def test_push_to_hub_in_offline_mode_is_refused_with_the_arguments(script, monke
 
 def hub_failure(kind):
     """The error huggingface_hub.whoami raises without a token, with one the Hub refuses, and without a connection."""
-    http = importlib.import_module(huggingface_hub.errors.HfHubHTTPError.__mro__[1].__module__)  # the Hub client's
+    # The HTTP library the Hub client raises from (httpx2 today), found through the Hub's own error class.
+    http = importlib.import_module(huggingface_hub.errors.HfHubHTTPError.__mro__[1].__module__)
     if kind == "no token":
         return huggingface_hub.errors.LocalTokenNotFoundError("Token is required to call the /whoami-v2 endpoint")
     if kind == "refused":
