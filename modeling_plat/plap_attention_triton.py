@@ -62,7 +62,7 @@ from .triton_configs import (
     interpreter_config, launch_config, padded_head_size,
 )  # fmt: skip
 from .triton_forward import plap_forward_kernel
-from .triton_launcher import TRITON_VERSION, BoundLaunches, PlanKey, run_launch, traced_launch
+from .triton_launcher import TRITON_VERSION, BoundLaunches, PlanKey, on_device, run_launch, traced_launch
 from .triton_tiles import (
     EXACT_ALONE, EXACT_PASS, FIRST_PASS, INTERPRETED, POWER_ANY, POWER_QUARTERS, QUARTER_CLASSES, triton,
 )  # fmt: skip
@@ -399,6 +399,13 @@ def _run(launch, query, value):
     run_launch(launch, query, value, _BOUND if type(query) in (torch.Tensor, torch.nn.Parameter) else traced_launch)
 
 
+def _run_all(launches, query, value):
+    """A call's launches, on its inputs' GPU (``on_device``)."""
+    with on_device(query.device):
+        for launch in launches:
+            _run(launch, query, value)
+
+
 def document_table(document_ids):
     """(B, N, 3) int32 of packed rows: per token its document (ids renumbered 0, 1, ... in each row, equal where
     ``document_ids`` are equal), and the first and one past the last position of that document's tokens, the
@@ -497,8 +504,7 @@ def _fused_forward(
     """``forward_plan``'s outputs, its launches run."""
     outputs, launches = forward_plan(query, key, value, key_keep, documents, p, is_causal, window, eps, euler,
                                      _unflat(config), exact_pass_alone(query, key))  # fmt: skip
-    for launch in launches:
-        _run(launch, query, value)
+    _run_all(launches, query, value)
     return outputs
 
 
@@ -549,8 +555,7 @@ def _fused_backward(
     grads, launches = backward_plan(in_layout_of(out, grad_out), query, key, value, key_keep, documents, out, row_stats,
                                     norms, query_blocks, key_tiles, p, is_causal, window, eps, euler, _unflat(config),
                                     exact_pass_alone(query, key))  # fmt: skip
-    for launch in launches:
-        _run(launch, query, value)
+    _run_all(launches, query, value)
     return grads
 
 

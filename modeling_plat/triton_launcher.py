@@ -14,7 +14,12 @@ or on a Triton version whose launcher this module was not checked against.
 While torch.compile traces the fused ops, their launches go through ``torch.library.wrap_triton`` instead, so that
 Inductor sees the kernels and launches them itself (in CUDA graphs under ``mode="reduce-overhead"``). Under the Triton
 interpreter (CPU tests) kernels run as plain functions.
+
+Triton launches on CUDA's current device, with its current stream, whatever device the arguments are on; eager calls
+run their launches on the inputs' GPU (``on_device``), as Inductor's code does for the kernels it launches.
 """
+
+import contextlib
 
 import torch
 
@@ -89,6 +94,19 @@ def _hooks_set():
     runtime = _RUNTIME_KNOBS
     return any(hook is not None and getattr(hook, "calls", True)
                for hook in (runtime.launch_enter_hook, runtime.launch_exit_hook))  # fmt: skip
+
+
+def on_device(device):
+    """A context in which ``device`` is CUDA's current device, where it is a GPU that is not: a model split across
+    GPUs in one process (``device_map="auto"``, or a model moved to another GPU than the current one) runs its layers
+    on several, and a kernel launched on another GPU than its tensors' would read them through that GPU's context,
+    unordered with their own stream's work, or fail."""
+    if device.type != "cuda" or device.index == torch.cuda.current_device():
+        return _CURRENT_DEVICE
+    return torch.cuda.device(device)
+
+
+_CURRENT_DEVICE = contextlib.nullcontext()  # reusable: one fewer object per call
 
 
 # Triton options that Inductor does not pass on to user kernels: its launches run without them (its own default fusion).

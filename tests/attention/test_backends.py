@@ -340,6 +340,20 @@ def test_triton_compiled_for_this_gpu(shape, dtype, is_causal, mask, formulation
     check(run, inputs, p, dtype, attn_mask=make_mask(mask, *shape[:4]), is_causal=is_causal, formulation=formulation)
 
 
+@needs_cuda
+@needs_triton
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+@pytest.mark.parametrize("shape", [(2, 3, 40, 40, 64, 64), (1, 2, 2100, 2100, 64, 64)], ids=str)
+def test_triton_on_a_gpu_that_is_not_the_current_one(shape):
+    """A model split across GPUs in one process (``device_map="auto"``) calls attention on GPUs other than CUDA's
+    current device, which Triton launches on: the exact passes alone of a small call, and both passes of a larger."""
+    torch.cuda.set_device(0)
+    inputs, p = make_inputs(*shape, torch.bfloat16, device=torch.device("cuda", 1))
+    run = lambda *a, **kw: plap_attention(*a, **kw, backend="triton")  # noqa: E731
+    check(run, inputs, p, torch.bfloat16, attn_mask=make_mask("padding", *shape[:4], device=inputs[0].device),
+          is_causal=True)  # fmt: skip
+
+
 # In a fresh process whose imports of triton fail: every file of the backend imports (remote code scans them), the
 # kernels' annotations stay text, and the backend says why it cannot run.
 WITHOUT_TRITON = """

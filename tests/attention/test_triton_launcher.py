@@ -4,6 +4,7 @@ have specialized it the same way, and passes it the arguments Triton's own launc
 A recording kernel stands in for Triton's (no GPU here): indexing it by a grid and calling it is Triton's own launch,
 which returns the compiled kernel; the compiled kernel's ``run`` records what it is given."""
 
+import contextlib
 from types import SimpleNamespace
 
 import pytest
@@ -90,3 +91,37 @@ def test_launches_go_through_triton_while_its_launch_hooks_are_set(bound, monkey
     monkeypatch.setattr(triton_launcher, "_hooks_set", lambda: True)  # a profiler's
     bound(launch)
     assert len(kernel.through_triton) == 2 and not kernel.runs
+
+
+def test_on_device_makes_a_gpu_current_only_where_it_is_not(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert isinstance(triton_launcher.on_device(torch.device("cpu")), contextlib.nullcontext)
+    assert isinstance(triton_launcher.on_device(torch.device("cuda", 0)), contextlib.nullcontext)
+    guard = triton_launcher.on_device(torch.device("cuda", 1))
+    assert isinstance(guard, torch.cuda.device) and guard.idx == 1
+
+
+def test_every_launch_of_a_call_runs_on_its_inputs_device(monkeypatch):
+    """Forward and backward: Triton launches on CUDA's current device, which a model split across GPUs does not keep
+    on its tensors' (test_backends.py runs it on two GPUs)."""
+    entered, launched = [], []
+
+    @contextlib.contextmanager
+    def on_device(device):
+        entered.append(device)
+        yield
+        entered.append(None)
+
+    def run(launch, query, value):
+        launched.append(entered[-1:] == [query.device])
+        original(launch, query, value)
+
+    original = triton_module._run
+    monkeypatch.setattr(triton_module, "on_device", on_device)
+    monkeypatch.setattr(triton_module, "_run", run)
+    query = torch.randn(1, 2, 20, 16, requires_grad=True)
+    out = triton_module.plap_attention_triton(query, query, query, p=(1.5, 2.5), is_causal=True)
+    forward_launches = len(launched)
+    out.sum().backward()
+    assert forward_launches and len(launched) > forward_launches
+    assert all(launched) and entered[-1] is None

@@ -4,7 +4,7 @@ with left- and right-padded attention masks (transformers only warns about right
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 import modeling_plat  # noqa: F401  (registers attn_implementation="plap")
 from device import DEVICE
@@ -108,6 +108,26 @@ def test_right_padding_gives_the_real_tokens_their_logits(shape):
         padded = lm_model(input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
         alone = lm_model(input_ids[:1, :5]).logits
     torch.testing.assert_close(padded[0, :5], alone[0], atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("shape", sorted(TEXT_SHAPES))
+def test_a_layer_that_a_device_map_offloads_changes_nothing(shape, tmp_path):
+    """Big-model inference through accelerate, ``from_pretrained(..., device_map=...)``: the second layer's weights on
+    disk, which accelerate's hooks load at each call, the rest on the tests' device; logits and greedy continuations of
+    padded prompts are the model's own."""
+    lm_model = lm(**TEXT_SHAPES[shape]).to(DEVICE)
+    lm_model.save_pretrained(tmp_path / "model")
+    here = (DEVICE.index or 0) if DEVICE.type == "cuda" else "cpu"
+    device_map = {f"model.{name}": here for name, _ in lm_model.model.named_children() if name != "layers"}
+    device_map |= {"model.layers.0": here, "model.layers.1": "disk", "lm_head": here}
+    offloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "model", device_map=device_map,
+                                                     offload_folder=tmp_path / "offload").eval()  # fmt: skip
+    assert offloaded.hf_device_map["model.layers.1"] == "disk"
+    input_ids, attention_mask = prompts("left")
+    with torch.no_grad():
+        expected, actual = (m(input_ids, attention_mask=attention_mask).logits for m in (lm_model, offloaded))
+    torch.testing.assert_close(actual, expected)
+    assert torch.equal(generate(offloaded, "left", do_sample=False), generate(lm_model, "left", do_sample=False))
 
 
 @pytest.mark.parametrize("fields, heads", [({}, (4, 8)), (dict(LLAMA_SHAPE, head_dim=12), (2, 12))],
