@@ -40,6 +40,7 @@ from .runs import (
     setup_logging,
 )
 from .text_data import (
+    check_vocab_size,
     document_pieces,
     iter_texts,
     load_raw_splits,
@@ -76,6 +77,10 @@ class TextModelArguments(ModelArguments):
         default=None,
         metadata={"help": "Vocabulary of the trained tokenizer; default: every word (word), 8192 (bpe)."},
     )
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_vocab_size(self.tokenizer_vocab_size, self.tokenizer_type)
 
 
 @dataclass

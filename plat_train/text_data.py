@@ -27,7 +27,10 @@ FILE_LOADERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".csv": "csv"
 UNK_TOKEN = "<unk>"
 EOS_TOKEN = "<eos>"
 PAD_TOKEN = "<pad>"
+SPECIAL_TOKENS = (UNK_TOKEN, EOS_TOKEN, PAD_TOKEN)
 DEFAULT_BPE_VOCAB_SIZE = 8192
+# Byte-level BPE starts from every byte: a smaller vocabulary is not one it can keep.
+BYTE_ALPHABET = 256
 # How much of the training text to look at when guessing whether it is pre-tokenised (PTB / WikiText style).
 TOKENIZER_SNIFF_LINES = 10_000
 
@@ -157,6 +160,20 @@ def word_vocabulary(texts, special_tokens, vocab_size=None):
     return {token: index for index, token in enumerate(special_tokens + words)}
 
 
+def check_vocab_size(vocab_size, tokenizer_type):
+    """Refuse a ``--tokenizer_vocab_size`` that the tokenizer cannot have: a word tokenizer needs a word beside its
+    special tokens, byte-level BPE every byte and them (with fewer it would silently train that many); ``auto``, not
+    yet resolved, needs what a word tokenizer does."""
+    if vocab_size is None:
+        return
+    needs, smallest = "its special tokens and a word", len(SPECIAL_TOKENS) + 1
+    if tokenizer_type == "bpe":
+        needs, smallest = f"its {BYTE_ALPHABET} bytes and special tokens", len(SPECIAL_TOKENS) + BYTE_ALPHABET
+    if vocab_size < smallest:
+        kind = "" if tokenizer_type == "auto" else f" for a {tokenizer_type} tokenizer"
+        raise ValueError(f"--tokenizer_vocab_size must be at least {smallest}{kind} ({needs}); got {vocab_size}")
+
+
 def train_tokenizer(texts, tokenizer_type="auto", vocab_size=None, model_max_length=None):
     """A tokenizer trained on ``texts`` (an iterable of strings, usually the training split).
 
@@ -170,7 +187,8 @@ def train_tokenizer(texts, tokenizer_type="auto", vocab_size=None, model_max_len
     if tokenizer_type == "auto":
         tokenizer_type = "word" if looks_pretokenised(itertools.islice(sniffed, TOKENIZER_SNIFF_LINES)) else "bpe"
         logger.info(f"Training a {tokenizer_type}-level tokenizer on the training split (--tokenizer_type auto)")
-    special_tokens = [UNK_TOKEN, EOS_TOKEN, PAD_TOKEN]
+    check_vocab_size(vocab_size, tokenizer_type)
+    special_tokens = list(SPECIAL_TOKENS)
     if tokenizer_type == "word":
         backend = Tokenizer(models.WordLevel(word_vocabulary(texts, special_tokens, vocab_size), unk_token=UNK_TOKEN))
         backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
@@ -182,7 +200,7 @@ def train_tokenizer(texts, tokenizer_type="auto", vocab_size=None, model_max_len
         backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         backend.decoder = decoders.ByteLevel()
         trainer = trainers.BpeTrainer(
-            vocab_size=vocab_size or DEFAULT_BPE_VOCAB_SIZE,
+            vocab_size=DEFAULT_BPE_VOCAB_SIZE if vocab_size is None else vocab_size,
             special_tokens=special_tokens,
             initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         )

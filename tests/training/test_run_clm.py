@@ -153,6 +153,13 @@ BAD_ARGUMENTS = {
                                   "--validation_split_percentage must lie between 0 (nothing held out) and 99"),
     "a negative count of held-out streamed texts": (["--model_type", "plat", "--streaming_validation_texts", "-1"],
                                                     "--streaming_validation_texts must be at least 0; got -1"),
+    "a word vocabulary of special tokens alone": (["--model_type", "plat", "--tokenizer_vocab_size", "3"],
+                                                  "--tokenizer_vocab_size must be at least 4 (its special tokens and a "
+                                                  "word); got 3"),
+    "a BPE vocabulary smaller than the bytes": (["--model_type", "plat", "--tokenizer_type", "bpe",
+                                                 "--tokenizer_vocab_size", "0"],
+                                                "--tokenizer_vocab_size must be at least 259 for a bpe tokenizer (its "
+                                                "256 bytes and special tokens); got 0"),
     "values that TrainingArguments refuses": (
         ["--model_type", "plat", "--eval_strategy", "steps", "--save_strategy", "epoch", "--load_best_model_at_end"],
         "--load_best_model_at_end requires the save and eval strategy to match"),
@@ -494,6 +501,18 @@ def test_word_tokenizer_keeps_ids_contiguous_with_a_literal_unk():
     tokenizer = train_tokenizer(["a b <unk> c", "b <unk> a"], "auto")
     assert sorted(tokenizer.get_vocab().values()) == list(range(len(tokenizer)))
     assert tokenizer("<unk> zzz")["input_ids"] == [tokenizer.unk_token_id] * 2
+
+
+@pytest.mark.parametrize("vocab_size", [258, 259])
+def test_a_bpe_vocabulary_that_auto_chose_holds_every_byte(vocab_size):
+    """--tokenizer_type auto resolves to BPE on text without <unk>, after the arguments were read: a vocabulary
+    smaller than the bytes and special tokens is refused then, not trained at another size."""
+    texts = ["the cat sat on the mat", "a dog ran under a tree"]
+    if vocab_size < 259:
+        with pytest.raises(ValueError, match="at least 259 for a bpe tokenizer"):
+            train_tokenizer(texts, "auto", vocab_size)
+    else:
+        assert len(train_tokenizer(texts, "auto", vocab_size)) == vocab_size
 
 
 def test_saved_word_tokenizer_generates_readable_text_pads_and_starts_without_a_prompt(text_files, tmp_path):
