@@ -149,7 +149,11 @@ class TextDataArguments:
 
 def build_tokenizer(model_args, raw_splits, last_checkpoint, model_max_length=None):
     """A named tokenizer, the saved model's, the checkpoint's when resuming, or one trained on the training split."""
-    source = model_args.tokenizer_name or model_args.model_name_or_path or last_checkpoint
+    named = model_args.tokenizer_name or model_args.model_name_or_path
+    if named and (model_args.tokenizer_type != "auto" or model_args.tokenizer_vocab_size is not None):
+        logger.warning(f"--tokenizer_type and --tokenizer_vocab_size shape only a tokenizer trained here: {named!r}'s "
+                       "is used as it is")  # fmt: skip
+    source = named or last_checkpoint
     if source is not None:
         with explain_offline_errors(f"tokenizer {source!r}", "--tokenizer_name with a local folder"):
             return AutoTokenizer.from_pretrained(source, **model_args.hub_kwargs())

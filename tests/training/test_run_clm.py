@@ -515,6 +515,17 @@ def test_a_bpe_vocabulary_that_auto_chose_holds_every_byte(vocab_size):
         assert len(train_tokenizer(texts, "auto", vocab_size)) == vocab_size
 
 
+@pytest.mark.parametrize("flags, warned", [({}, False), ({"tokenizer_vocab_size": 500}, True),
+                                           ({"tokenizer_type": "bpe"}, True)])  # fmt: skip
+def test_a_named_tokenizer_says_that_the_training_flags_do_not_shape_it(flags, warned, tmp_path, caplog):
+    train_tokenizer(["a b <unk> c", "b <unk> a"], "word").save_pretrained(tmp_path / "tokenizer")
+    model_args = run_clm.TextModelArguments(tokenizer_name=str(tmp_path / "tokenizer"), **flags)
+    with caplog.at_level("WARNING"):
+        tokenizer = run_clm.build_tokenizer(model_args, {}, None)
+    assert len(tokenizer) == 6
+    assert ("shape only a tokenizer trained here" in caplog.text) == warned
+
+
 def test_saved_word_tokenizer_generates_readable_text_pads_and_starts_without_a_prompt(text_files, tmp_path):
     output_dir = tmp_path / "out"
     run_clm.main([*TINY_MODEL, "--train_file", str(text_files["train"]), *FAST, "--tokenizer_type", "word",
