@@ -347,6 +347,8 @@ def test_triton_compiled_for_this_gpu(shape, dtype, is_causal, mask, formulation
 def test_triton_on_a_gpu_that_is_not_the_current_one(shape):
     """A model split across GPUs in one process (``device_map="auto"``) calls attention on GPUs other than CUDA's
     current device, which Triton launches on: the exact passes alone of a small call, and both passes of a larger."""
+    if triton_module.launch_config(torch.bfloat16, shape[4], shape[5], torch.cuda.get_device_capability(1)) is None:
+        pytest.skip("the second GPU runs no bfloat16 configuration at head size 64")
     torch.cuda.set_device(0)
     inputs, p = make_inputs(*shape, torch.bfloat16, device=torch.device("cuda", 1))
     run = lambda *a, **kw: plap_attention(*a, **kw, backend="triton")  # noqa: E731
