@@ -77,8 +77,9 @@ class ModelArguments:
 class PlatTrainingArguments(TrainingArguments):
     """``TrainingArguments`` plus ``--overwrite_output_dir``, which transformers 5 removed but the examples'
     resume-or-refuse logic for an existing ``output_dir`` needs (see ``runs.detect_last_checkpoint``), pinned
-    data-loader memory only where an accelerator can use it (torch warns at every data loader otherwise), and
-    ``--push_to_hub`` refused with the arguments when the Hub cannot take the push (``check_hub_access``)."""
+    data-loader memory only where an accelerator can use it (torch warns at every data loader otherwise),
+    ``--push_to_hub`` refused with the arguments when the Hub cannot take the push (``check_hub_access``), and batch
+    sizes, accumulation steps, loader workers and ``--max_steps`` that no run can use refused with them too."""
 
     overwrite_output_dir: bool = field(
         default=False,
@@ -88,6 +89,12 @@ class PlatTrainingArguments(TrainingArguments):
     )
 
     def __post_init__(self):
+        # Here rather than in a data loader's or Trainer's traceback once the data have loaded.
+        check_minimum(self, 1, "per_device_train_batch_size", "per_device_eval_batch_size",
+                      "gradient_accumulation_steps")  # fmt: skip
+        check_minimum(self, 0, "dataloader_num_workers")
+        if self.max_steps == 0:  # Trainer would train one step
+            raise ValueError("--max_steps must be at least 1, or negative to train --num_train_epochs; got 0")
         super().__post_init__()
         if not accelerator_available():
             self.dataloader_pin_memory = False

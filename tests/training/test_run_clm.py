@@ -160,6 +160,16 @@ BAD_ARGUMENTS = {
                                                  "--tokenizer_vocab_size", "0"],
                                                 "--tokenizer_vocab_size must be at least 259 for a bpe tokenizer (its "
                                                 "256 bytes and special tokens); got 0"),
+    "no examples per batch": (["--model_type", "plat", "--per_device_train_batch_size", "0"],
+                              "--per_device_train_batch_size must be at least 1; got 0"),
+    "no evaluation examples per batch": (["--model_type", "plat", "--per_device_eval_batch_size", "-2"],
+                                         "--per_device_eval_batch_size must be at least 1; got -2"),
+    "no batches per step": (["--model_type", "plat", "--gradient_accumulation_steps", "0"],
+                            "--gradient_accumulation_steps must be at least 1; got 0"),
+    "a negative count of loader processes": (["--model_type", "plat", "--dataloader_num_workers", "-1"],
+                                             "--dataloader_num_workers must be at least 0; got -1"),
+    "no training steps": (["--model_type", "plat", "--max_steps", "0"],
+                          "--max_steps must be at least 1, or negative to train --num_train_epochs; got 0"),
     "values that TrainingArguments refuses": (
         ["--model_type", "plat", "--eval_strategy", "steps", "--save_strategy", "epoch", "--load_best_model_at_end"],
         "--load_best_model_at_end requires the save and eval strategy to match"),

@@ -376,6 +376,8 @@ BAD_ARGUMENTS = {
     "a crop larger than the image": (["--crop_scale_min", 1.5], "--crop_scale_min is a fraction of the image"),
     "a negative alpha": (["--cutmix_alpha", -1], "--cutmix_alpha must be at least 0; got -1.0"),
     "no training images": (["--max_train_samples", 0], "--max_train_samples must be at least 1; got 0"),
+    "no images per batch": (["--per_device_train_batch_size", 0],
+                            "--per_device_train_batch_size must be at least 1; got 0"),
 }  # fmt: skip
 
 
