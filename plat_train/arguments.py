@@ -95,6 +95,9 @@ class PlatTrainingArguments(TrainingArguments):
         check_minimum(self, 0, "dataloader_num_workers")
         if self.max_steps == 0:  # Trainer would train one step
             raise ValueError("--max_steps must be at least 1, or negative to train --num_train_epochs; got 0")
+        if self.max_steps < 0 and self.num_train_epochs <= 0:  # Trainer would save the model untrained
+            raise ValueError(f"--num_train_epochs must be above 0 unless --max_steps is given; got "
+                             f"{self.num_train_epochs:g}")  # fmt: skip
         super().__post_init__()
         if not accelerator_available():
             self.dataloader_pin_memory = False

@@ -170,6 +170,8 @@ BAD_ARGUMENTS = {
                                              "--dataloader_num_workers must be at least 0; got -1"),
     "no training steps": (["--model_type", "plat", "--max_steps", "0"],
                           "--max_steps must be at least 1, or negative to train --num_train_epochs; got 0"),
+    "no epochs to train": (["--model_type", "plat", "--num_train_epochs", "0"],
+                           "--num_train_epochs must be above 0 unless --max_steps is given; got 0"),
     "values that TrainingArguments refuses": (
         ["--model_type", "plat", "--eval_strategy", "steps", "--save_strategy", "epoch", "--load_best_model_at_end"],
         "--load_best_model_at_end requires the save and eval strategy to match"),
