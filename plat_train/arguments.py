@@ -78,8 +78,9 @@ class PlatTrainingArguments(TrainingArguments):
     """``TrainingArguments`` plus ``--overwrite_output_dir``, which transformers 5 removed but the examples'
     resume-or-refuse logic for an existing ``output_dir`` needs (see ``runs.detect_last_checkpoint``), pinned
     data-loader memory only where an accelerator can use it (torch warns at every data loader otherwise),
-    ``--push_to_hub`` refused with the arguments when the Hub cannot take the push (``check_hub_access``), and batch
-    sizes, accumulation steps, loader workers and ``--max_steps`` that no run can use refused with them too."""
+    ``--push_to_hub`` refused with the arguments when the Hub cannot take the push (``check_hub_access``), and
+    counts and seeds that Trainer would fail on later, or run as no one meant, refused with them too
+    (``check_training_counts``)."""
 
     overwrite_output_dir: bool = field(
         default=False,
@@ -89,15 +90,7 @@ class PlatTrainingArguments(TrainingArguments):
     )
 
     def __post_init__(self):
-        # Here rather than in a data loader's or Trainer's traceback once the data have loaded.
-        check_minimum(self, 1, "per_device_train_batch_size", "per_device_eval_batch_size",
-                      "gradient_accumulation_steps")  # fmt: skip
-        check_minimum(self, 0, "dataloader_num_workers")
-        if self.max_steps == 0:  # Trainer would train one step
-            raise ValueError("--max_steps must be at least 1, or negative to train --num_train_epochs; got 0")
-        if self.max_steps < 0 and self.num_train_epochs <= 0:  # Trainer would save the model untrained
-            raise ValueError(f"--num_train_epochs must be above 0 unless --max_steps is given; got "
-                             f"{self.num_train_epochs:g}")  # fmt: skip
+        check_training_counts(self)
         super().__post_init__()
         if not accelerator_available():
             self.dataloader_pin_memory = False
@@ -127,6 +120,23 @@ def check_hub_access(token):
     except Exception as error:  # the HTTP client's connection errors, which have no common base with the Hub's own
         raise ValueError(f"--push_to_hub needs the Hugging Face Hub, which could not be reached "
                          f"({type(error).__name__}: {error}): check the network, or {UPLOAD_LATER}") from error
+
+
+def check_training_counts(arguments):
+    """Refuse, while the arguments are read, the ``TrainingArguments`` values that would fail in a data loader's or
+    Trainer's traceback once the data have loaded (batch sizes, accumulation steps, loader workers, the seed), or that
+    Trainer would run as no one meant (``--max_steps 0`` trains one step, ``--num_train_epochs 0`` none, and either
+    saves the model as a finished run's)."""
+    check_minimum(arguments, 1, "per_device_train_batch_size", "per_device_eval_batch_size",
+                  "gradient_accumulation_steps")  # fmt: skip
+    check_minimum(arguments, 0, "dataloader_num_workers")
+    if not 0 <= arguments.seed < 2**32:  # numpy's seeds, which Trainer sets
+        raise ValueError(f"--seed must lie between 0 and 2**32 - 1; got {arguments.seed}")
+    if arguments.max_steps == 0:
+        raise ValueError("--max_steps must be at least 1, or negative to train --num_train_epochs; got 0")
+    if arguments.max_steps < 0 and arguments.num_train_epochs <= 0:
+        raise ValueError(f"--num_train_epochs must be above 0 unless --max_steps is given; got "
+                         f"{arguments.num_train_epochs:g}")  # fmt: skip
 
 
 def check_minimum(arguments, minimum, *names):

@@ -172,6 +172,8 @@ BAD_ARGUMENTS = {
                           "--max_steps must be at least 1, or negative to train --num_train_epochs; got 0"),
     "no epochs to train": (["--model_type", "plat", "--num_train_epochs", "0"],
                            "--num_train_epochs must be above 0 unless --max_steps is given; got 0"),
+    "a seed that numpy refuses": (["--model_type", "plat", "--seed", "-1"],
+                                  "--seed must lie between 0 and 2**32 - 1; got -1"),
     "values that TrainingArguments refuses": (
         ["--model_type", "plat", "--eval_strategy", "steps", "--save_strategy", "epoch", "--load_best_model_at_end"],
         "--load_best_model_at_end requires the save and eval strategy to match"),
