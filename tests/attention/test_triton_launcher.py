@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from device import DEVICE
 
 from modeling_plat import plap_attention_triton as triton_module
 from modeling_plat import triton_launcher
@@ -119,7 +120,7 @@ def test_every_launch_of_a_call_runs_on_its_inputs_device(monkeypatch):
     original = triton_module._run
     monkeypatch.setattr(triton_module, "on_device", on_device)
     monkeypatch.setattr(triton_module, "_run", run)
-    query = torch.randn(1, 2, 20, 16, requires_grad=True)
+    query = torch.randn(1, 2, 20, 16, device=DEVICE, requires_grad=True)
     out = triton_module.plap_attention_triton(query, query, query, p=(1.5, 2.5), is_causal=True)
     forward_launches = len(launched)
     out.sum().backward()
