@@ -28,10 +28,11 @@ schedulers issue in about a third of their clocks (IPC 1.49 of 4). This model ad
   where an H100 measured 98.5.
 
 What it cannot see: memory stalls (dQ at head size 128 ran at 75% of the memory throughput), spills, L2 misses, launch
-latency and host work. The exact passes are not modelled (empty on random inputs: 22-69 us each measured). One chance
-fits kernels at 2 warps per scheduler (059074d) and at 3-4 (today's) within -16% to +14%, with a trend: those at 2
-come out slower than measured (+7 to +14%, but dK/dV at d = 128), those at 3-4 faster (0 to -13%). The curve gives
-occupancy more than the GPU did: a design that gains by occupancy alone gains less than predicted.
+latency and host work. The exact passes are not modelled (empty on random inputs: 6-8 us each measured on an H200).
+One chance fits kernels at 2 warps per scheduler (059074d) and at 2-4 (2ad903c's and 5eb1d43's) within -21% to +18%,
+with a trend: those of 059074d come out slower than measured (+11 to +18%, but dK/dV at d = 128), the later ones
+faster (+3 to -10%; 5eb1d43's dQ at d = 128 -21%). The curve gives occupancy more than the GPU did: a design that
+gains by occupancy alone gains less than predicted.
 
 A GPU's synchronised calls also wait for the host before the first kernel: an H100 measured 250 us per forward and
 about 1 ms per forward + backward of host work at the paper LM's shape, where the kernels take a few microseconds.
@@ -40,6 +41,7 @@ about 1 ms per forward + backward of host work at the paper LM's shape, where th
 import argparse
 import contextlib
 import heapq
+import inspect
 import json
 import math
 import os
@@ -67,7 +69,7 @@ REGISTER_UNIT = 256  # registers are allocated per warp in multiples of this
 # H100 / H200 SXM: 132 SMs at 1.98 GHz boost; the calibration's fitted constants absorb the clock's real value.
 GPU = dict(arch=90, sms=132, clock_hz=1.98e9)
 # The chance that a resident warp can issue in a given clock; refit by --calibrate (figures below).
-LATENCY_HIDING = 0.152
+LATENCY_HIDING = 0.146
 # Effective bandwidth of the auxiliary tensor operations (bytes per second), refit by --calibrate.
 AUXILIARY_BANDWIDTH = 2.41e12
 
@@ -109,6 +111,20 @@ CALIBRATIONS = [
         dict(kernel="fwd", head_dim=128, p=(1.5, 2.5), us=668.9),
         dict(kernel="dkdv", head_dim=128, p=(1.5, 2.5), us=1819.9),
         dict(kernel="dq", head_dim=128, p=(1.5, 2.5), us=1649.6),
+    ]),
+    # An NVIDIA H200 (the same software), benchmarks/gpu_check.py's kernels section,
+    # benchmarks/results/gpu_check-h200-2026-11-30-5eb1d43.json: the first passes, one launch per p (the paper mix:
+    # the sum of its two). 3 warps per scheduler at head size 64, 2 at 128.
+    dict(commit="5eb1d43", grid=CURRENT_GRID, source="H200, torch.profiler", kernels=[
+        dict(kernel="fwd", head_dim=64, p=(1.5,), us=371.3),
+        dict(kernel="dkdv", head_dim=64, p=(1.5,), us=563.7),
+        dict(kernel="dq", head_dim=64, p=(1.5,), us=496.7),
+        dict(kernel="fwd", head_dim=64, p=(1.5, 2.5), us=393.4),
+        dict(kernel="dkdv", head_dim=64, p=(1.5, 2.5), us=624.1),
+        dict(kernel="dq", head_dim=64, p=(1.5, 2.5), us=540.1),
+        dict(kernel="fwd", head_dim=128, p=(1.5, 2.5), us=678.4),
+        dict(kernel="dkdv", head_dim=128, p=(1.5, 2.5), us=985.8),
+        dict(kernel="dq", head_dim=128, p=(1.5, 2.5), us=987.7),
     ]),
 ]
 # The H200 run's other figures, of 059074d: its auxiliary operations at 4k x 64 (the profile), whole calls
@@ -249,6 +265,8 @@ class HostCalls:
         # The host functions of the custom ops (CALIBRATION_COMMIT's module has only the ops, which hold them).
         self.fused_forward = getattr(triton_module, "_fused_forward", None) or triton_module._forward_op._init_fn
         self.fused_backward = getattr(triton_module, "_fused_backward", None) or triton_module._backward_op._init_fn
+        # The sliding window's size, an argument since the windows were fused (none in the calibration commits).
+        self.window = (0,) if "window" in inspect.signature(self.fused_forward).parameters else ()
 
     @contextlib.contextmanager
     def launches_to(self, on_launch):
@@ -261,19 +279,25 @@ class HostCalls:
 
     def forward(self):
         """out, lse, own weight and squared norms: what the forward saves for the backward."""
-        return self.fused_forward(self.query, self.key, self.value, None, None, self.p, True, 0, 1e-6, False,
-                                  self.config)  # fmt: skip
+        return self.fused_forward(self.query, self.key, self.value, None, None, self.p, True, *self.window, 1e-6,
+                                  False, self.config)  # fmt: skip
 
     def backward(self, saved):
         return self.fused_backward(self.grad_out, self.query, self.key, self.value, None, None, *saved, self.p, True,
-                                   0, 1e-6, False, self.config)  # fmt: skip
+                                   *self.window, 1e-6, False, self.config)  # fmt: skip
+
+
+# The three attention kernels' names in the Triton module: today's, and the calibration commits' (before the kernels
+# moved to modules of their own).
+ATTENTION_KERNELS = ("plap_forward_kernel", "plap_dkdv_kernel", "plap_dq_kernel", "_plap_fwd_kernel",
+                     "_plap_bwd_dkdv_kernel", "_plap_bwd_dq_kernel")  # fmt: skip
 
 
 def auxiliary_bytes(triton_module, batch, heads, tokens, head_dim, p, dtype=torch.bfloat16):
     """(forward, backward) bytes moved by the Triton backend's work besides its three attention kernels, on meta
     tensors: tensor operations, and the auxiliary kernels' tensors (each read or written once); no kernel runs."""
     calls = HostCalls(triton_module, batch, heads, tokens, head_dim, p, dtype)
-    main_kernels = {triton_module.plap_forward_kernel, triton_module.plap_dkdv_kernel, triton_module.plap_dq_kernel}
+    main_kernels = {getattr(triton_module, name) for name in ATTENTION_KERNELS if hasattr(triton_module, name)}
     counters = []
 
     def count(launch, query, value):

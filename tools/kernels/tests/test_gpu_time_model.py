@@ -159,8 +159,8 @@ def test_peak_bytes_are_what_the_backend_holds(model, monkeypatch, two_passes):
 @pytest.mark.slow
 def test_calibration_reproduces_the_fitted_constants(model, capsys):
     """--calibrate compiles the measured commits' kernels and refits: the module's constants are what it finds,
-    every fitted kernel time is predicted within 20% (dK/dV at head size 128 of 059074d is the farthest, -16%), and
-    that commit's peak memory within 2%."""
+    every fitted kernel time is predicted within 22% (dQ at head size 128 of 5eb1d43 is the farthest, -21%), and
+    059074d's peak memory within 2%."""
     if shutil.which("git") is None or not (ROOT / ".git").exists():
         pytest.skip("needs the repository's history")
     ready, bandwidth = model.calibrate()  # compiles in a child process, without the interpreter
@@ -169,7 +169,7 @@ def test_calibration_reproduces_the_fitted_constants(model, capsys):
     out = capsys.readouterr().out
     errors = [float(line.split()[-1].rstrip("%")) for line in out.splitlines()
               if line.split()[1:2] in (["fwd"], ["dkdv"], ["dq"]) and "not fitted" not in line]  # fmt: skip
-    assert len(errors) == 17 and all(abs(error) <= 20 for error in errors), errors
+    assert len(errors) == 26 and all(abs(error) <= 22 for error in errors), errors
     peaks = [float(line.split()[-1].strip("()%+")) for line in out.splitlines() if "MiB against" in line]
     assert len(peaks) == len(model.MEASURED_PEAK_MIB) and all(abs(error) <= 2 for error in peaks), peaks
 
