@@ -35,7 +35,9 @@ and main-job), this script runs them within the budget and writes the record:
   paper LM's and the kernel-speed shapes (4k, 4k-d128, 16k, paper mix) and at 4k with every head at p = 1.5 (one
   launch per kernel): what tools/kernels/gpu_time_model.py is calibrated on; and the host time of a call, in all and in
   the Triton launches (the part a synchronised call's GPU waits for before its first kernel), and a profile of that
-  host time (cProfile: the functions with the most own time, allocations and launchers included).
+  host time (cProfile: the functions with the most own time, allocations and launchers included); at the paper LM's
+  shape also one launch's host time by each way of launching it (the backend, its Python alone, Triton's compiled
+  launcher, its C function, Triton's own ``kernel[grid]`` launch) beside an ATen launch and allocation.
 - train: optimizer steps (forward, backward, AdamW) under bf16 autocast of benchmarks/bench_train_step.py's
   vision (DeiT-tiny), lm (the paper's LM) and llama-125m (12 x 768, 8 x 1024 tokens) pairs, p-LaT against
   transformers' twins with SDPA (its default backend), a pair's models on the GPU together: the median step, the

@@ -98,6 +98,92 @@ def host_times(call, device, repeats):
                 launch_us=statistics.median(sum(times) for times in launches) * 1e6)  # fmt: skip
 
 
+def launch_costs(call, device, rounds, count):
+    """Host microseconds per launch of call()'s first Triton launch (its forward's first kernel; call() must launch
+    one), ``count`` times back to back, the median of ``rounds`` rounds in rotated order, through:
+    - ``plat``: the backend's launch (``_run``: the plan's key, the bound kernel's lookup, Triton's launcher);
+    - ``plat_python``: the same with the compiled kernel's launcher a no-op: the Python of the backend alone;
+    - ``compiled_run``: the compiled kernel's launcher alone, the arguments ready (Triton's launcher and the driver);
+    - ``c_launcher``: the C function that launcher calls (Triton 3.6, where it is checked, and a kernel with no
+      scratch memory): a launch without Python, the floor of any launch through Triton;
+    - ``triton_jit``: Triton's own launch, ``kernel[grid](*args, **meta)`` (its binder and cache lookup);
+    - ``aten_launch`` and ``aten_empty``: one ATen kernel (``zero_`` of one element) and one allocation on ``device``,
+      what the host takes for PyTorch's own launches.
+    The bound variants need a GPU (the Triton interpreter binds nothing): on a CPU only ``plat``, ``triton_jit`` and
+    the ATen ones are measured."""
+    triton_module = importlib.import_module("modeling_plat.plap_attention_triton")
+    original, recorded = triton_module._run, []
+
+    def recording_run(launch, query, value):
+        recorded.append((launch, query, value))
+        return original(launch, query, value)
+
+    triton_module._run = recording_run
+    try:
+        call()
+    finally:
+        triton_module._run = original
+    synchronize(device)
+    launch, query, value = recorded[0]
+    scratch = torch.zeros(1, device=device)
+    variants = dict(plat=lambda: original(launch, query, value),
+                    triton_jit=lambda: launch.kernel[launch.grid](*launch.args, **launch.meta),
+                    aten_launch=scratch.zero_, aten_empty=lambda: torch.empty(1, device=device))  # fmt: skip
+    tensors = launch.args[: launch.tensors]
+    pointers = [tensor.data_ptr() for tensor in tensors]
+    table, entry = triton_module._BOUND.compiled, None
+    if device.type == "cuda":  # the key BoundLaunches binds the launch under
+        key = (launch.plan, torch.cuda.current_device(), tuple(tensor.dtype for tensor in tensors),
+               tuple(pointer % 16 == 0 for pointer in pointers))  # fmt: skip
+        entry = table.get(key)
+    if entry is not None:
+        compiled, constexprs = entry
+        grid = (*launch.grid, 1, 1)[:3]
+        stream = triton_module.triton.runtime.driver.active.get_current_stream(torch.cuda.current_device())
+        arguments = (*grid, stream, compiled.function, compiled.packed_metadata, None, None, None, *pointers,
+                     *launch.args[launch.tensors :], *constexprs)  # fmt: skip
+        variants.update(compiled_run=lambda: compiled.run(*arguments), plat_python=variants["plat"])
+        launcher = compiled.run
+        if _checked_c_launcher(launcher):
+            c_arguments = (*arguments[:5], launcher.launch_cooperative_grid, launcher.launch_pdl, None, None,
+                           *arguments[5:])  # fmt: skip
+            variants["c_launcher"] = lambda: launcher.launch(*c_arguments)
+    names, times = list(variants), collections.defaultdict(list)
+    for round_ in range(rounds):
+        for name in names[round_ % len(names) :] + names[: round_ % len(names)]:
+            if name == "plat_python":
+                table[key] = (_NoRun(compiled), constexprs)
+            synchronize(device)
+            start = time.perf_counter()
+            for _ in range(count):
+                variants[name]()
+            times[name].append((time.perf_counter() - start) / count * 1e6)
+            if entry is not None:
+                table[key] = entry
+    synchronize(device)
+    return {name: statistics.median(times[name]) for name in names}
+
+
+def _checked_c_launcher(launcher):
+    """Whether ``launcher`` (a compiled kernel's ``run``) is Triton 3.6's CUDA launcher, whose C function takes the
+    grid, stream, function, cooperative and PDL flags, both scratch buffers, then what ``run`` takes after the function,
+    and the kernel needs no scratch memory."""
+    import triton
+
+    return (triton.__version__.startswith("3.6.") and type(launcher).__name__ == "CudaLauncher"
+            and not launcher.global_scratch_size and not launcher.profile_scratch_size)  # fmt: skip
+
+
+class _NoRun:
+    """A compiled kernel whose launcher does nothing."""
+
+    def __init__(self, compiled):
+        self.function, self.packed_metadata = compiled.function, compiled.packed_metadata
+
+    def run(self, *arguments):
+        pass
+
+
 def host_profile(call, device, repeats, top=HOST_PROFILE_TOP):
     """Where one call() spends its host time: cProfile over ``repeats`` calls (the GPU idle at each start), the
     ``top`` functions by own time (builtins such as a tensor allocation or a kernel's launcher included), in
@@ -140,9 +226,11 @@ def _function_label(file, line, name):
     return f"{Path(*parts).as_posix()}:{line}({name})"
 
 
-def kernels_section(device, log, cases=KERNEL_CASES, repeats=5):
+def kernels_section(device, log, cases=KERNEL_CASES, repeats=5, launch_rounds=7, launch_count=50):
+    """A row per case: its kernels, its host time and host profile; the first case's also the host cost of one of its
+    launches by the ways of launching it (``launch_costs``)."""
     rows = []
-    for name, ((batch, heads, length, head_dim, causal), p) in cases.items():
+    for index, (name, ((batch, heads, length, head_dim, causal), p)) in enumerate(cases.items()):
         q, k, v, grad_out = bf16_attention_inputs(batch, heads, length, head_dim, device)
         p_heads = tuple(paper_p_mix(heads)) if p is None else (p,) * heads
         row = dict(name=name, batch=batch, heads=heads, length=length, head_dim=head_dim, causal=causal,
@@ -159,6 +247,10 @@ def kernels_section(device, log, cases=KERNEL_CASES, repeats=5):
                 row["host_profile"] = host_profile(call, device, repeats)
                 row["kernels"] = kernel_times(call, device, repeats)
             row["backends"] = dict(chosen)
+            if index == 0 and row["host"]["launches"]:
+                row["launch_costs"] = launch_costs(call, device, launch_rounds, launch_count)
+                log(f"kernels {name}: host us per launch, " + ", ".join(f"{variant} {us:.1f}" for variant, us
+                                                                        in row["launch_costs"].items()))  # fmt: skip
             row["total_us"] = sum(kernel["us"] for kernel in row["kernels"].values())
             top = sorted(row["kernels"].items(), key=lambda item: -item[1]["us"])[:4]
             log(f"kernels {name}: {row['total_us']:.0f} us, " + ", ".join(f"{kernel} {times['us']:.0f}"

@@ -14,13 +14,15 @@ import torch
 import gpu_check
 from gpu_sections.attention import (attention_section, attention_timings, envelope_section, fallback_section,
                                     timed_fields)  # fmt: skip
-from gpu_sections.kernels import HOST_PROFILE_TOP, host_profile, host_times, kernel_times, kernels_section
+from gpu_sections.kernels import (HOST_PROFILE_TOP, host_profile, host_times, kernel_times, kernels_section,
+                                 launch_costs)  # fmt: skip
 from gpu_sections.measure import backend_spy, paired_ratio, relative_error, side_by_side
 from gpu_sections.models import (COMPILE_PRESETS, compile_section, decode_section, main_job_arguments, main_job_section,
                                  train_section)  # fmt: skip
 from gpu_sections.sweep import (REPEATS, SQUARE, attend, case_name, each_document_alone, judge, make_case_inputs,
                                 run_case, run_sweep, sweep_cases, sweep_section)  # fmt: skip
 from gpu_sections.targets import collect_failures, judge_targets, peak_memory_target
+from device import DEVICE
 from modeling_plat import plap_attention
 from modeling_plat import plap_attention_triton as triton_module
 from plat_train.presets import resolve_config_name
@@ -245,6 +247,40 @@ def test_host_times_count_the_triton_launches(formulation):
     # the row statistics of either formulation) and dK/dV's.
     assert host["launches"] == 3 and 0 < host["launch_us"] < host["call_us"]
     assert triton_module._run.__name__ == "_run"  # restored
+
+
+@pytest.mark.skipif(not triton_module.INTERPRETED and not torch.cuda.is_available(),
+                    reason="the Triton backend needs a GPU or the interpreter")
+def test_launch_costs_time_one_launch_each_way(monkeypatch):
+    """The call's first launch, ``count`` times per round through the backend; bound variants where it binds (a GPU)."""
+    q, k, v = (torch.randn(1, 2, 24, 8, device=DEVICE, requires_grad=True) for _ in range(3))
+    launched = []
+    real_bound = triton_module._BOUND
+
+    class CountingLaunches:
+        compiled = real_bound.compiled
+
+        def __call__(self, launch):
+            launched.append(launch.kernel)
+            real_bound(launch)
+
+    monkeypatch.setattr(triton_module, "_BOUND", CountingLaunches())
+
+    def call():
+        out = plap_attention(q, k, v, (1.5, 2.5), is_causal=True, backend="triton")
+        torch.autograd.grad(out.sum(), (q, k, v))
+
+    costs = launch_costs(call, q.device, rounds=2, count=3)
+    bound = {"compiled_run", "plat_python"} if real_bound.enabled else set()
+    measured = set(costs) - {"c_launcher"}  # Triton 3.6's C launcher, on a GPU
+    assert measured == {"plat", "triton_jit", "aten_launch", "aten_empty"} | bound and (bound or len(costs) == 4)
+    assert all(us > 0 for us in costs.values())
+    # The recorded call's 3 launches, then the forward's first kernel 2 x 3 times through the backend's launch (and as
+    # many times with its launcher a no-op, where it binds).
+    forward_kernel = launched[0]
+    assert len(launched) == 3 + 2 * 3 * (1 + bool(bound)) and launched[3:] == [forward_kernel] * (len(launched) - 3)
+    assert triton_module._run.__name__ == "_run"  # restored
+    assert all(type(entry[0]).__name__ != "_NoRun" for entry in real_bound.compiled.values())
 
 
 @pytest.mark.skipif(not triton_module.INTERPRETED, reason="the Triton backend runs on CPU only under the interpreter")
