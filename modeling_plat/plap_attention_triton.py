@@ -230,8 +230,10 @@ def _launch_plan(kernel, config, shape, strides, p, is_causal, window, has_key_m
                     K_ROW_STRIDE=k_rows, V_ROW_STRIDE=v_rows, OUT_ROW_STRIDE=out_rows)  # fmt: skip
         if flag_block is not None:
             meta.update(FLAG_BLOCK=flag_block, SUMS_BY_MATMUL=bool(config.sums_by_matmul))
+        # The row statistics' second plane (euler's own weights) starts batch * heads * num_queries in.
         sizes = (first, end - first, heads, num_queries, num_keys, window, LOG2_E / math.sqrt(head_dim),
-                 (low - 2) / 2, (high - 2) / 2, high_heads, eps, *slab_strides)  # fmt: skip
+                 (low - 2) / 2, (high - 2) / 2, high_heads, eps, batch * heads * num_queries,
+                 *slab_strides)  # fmt: skip
         grid = (blocks * batch * (end - first),)
         if exact_only:
             passes = [dict(meta, PASS=int(EXACT_ALONE))]
@@ -352,16 +354,17 @@ def value_norms(value):
     return torch.linalg.vector_norm(value, dim=-1, dtype=torch.float32, out=norms)
 
 
-def forward_launches(query, key, value, norms, key_keep, documents, out, lse, own_weight, exact_blocks, p,
-                     is_causal, eps, euler, config, exact_only=False, window=0):  # fmt: skip
+def forward_launches(query, key, value, norms, key_keep, documents, out, row_stats, exact_blocks, p, is_causal, eps,
+                     euler, config, exact_only=False, window=0):  # fmt: skip
     """The forward launches, the first pass then the exact one (``plap_forward_kernel``), or the exact one alone
     (``exact_only``); q, k, v and ``out`` (B, H, N, C) in any ``kernel_layout``, ``key_keep`` the (B, Nk) int8
     padding mask or None, ``documents`` the ``document_table`` of packed rows or None, ``norms`` the (B, H, Nk)
-    float32 norms of the values, ``exact_blocks`` two int32 tensors of ``exact_block_counts(...)`` elements (not read
-    with ``exact_only``), ``window`` the size of a causal sliding window (keys in (x - window, x] of the query at key
-    position x; 0: none)."""
-    tensors = (query, key, value, norms, *_masks(norms, key_keep, documents), out, lse, own_weight,
-               *exact_blocks)  # fmt: skip
+    float32 norms of the values, ``row_stats`` the (1 + euler, B, H, Nq) float32 row statistics that it writes (the
+    logsumexp, then euler's own weights: one tensor, never two views of one, which torch.compile's functionalization
+    of the kernels' writes would not keep apart), ``exact_blocks`` two int32 tensors of ``exact_block_counts(...)``
+    elements (not read with ``exact_only``), ``window`` the size of a causal sliding window (keys in (x - window, x]
+    of the query at key position x; 0: none)."""
+    tensors = (query, key, value, norms, *_masks(norms, key_keep, documents), out, row_stats, *exact_blocks)
     flags = (p, is_causal, window, key_keep is not None, documents is not None, euler, eps, exact_only)
     return _launches(plap_forward_kernel, config.fwd, _layout(query, key, value, out), tensors, *flags)
 
@@ -374,19 +377,19 @@ def exact_block_counts(query, key, config):
 
 
 def backward_launches(
-    query, key, value, norms, key_keep, documents, grad_out, out, lse, delta, own_dot, own_weight, grad_q, grad_k,
-    grad_v, grad_v_own, exact_blocks, p, is_causal, eps, euler, config, exact_only=False, window=0,
+    query, key, value, norms, key_keep, documents, grad_out, out, row_stats, delta, own_dot, grad_q, grad_k, grad_v,
+    grad_v_own, exact_blocks, p, is_causal, eps, euler, config, exact_only=False, window=0,
 ):  # fmt: skip
     """The dq launches, then the dk/dv launches, each kernel's first pass then its exact one (or that alone, as in
     ``forward_launches``). dq writes the row statistics ``delta`` and (euler) ``own_dot``, (B, H, Nq) float32, and
     each query's own-value part of dv to ``grad_v_own``, (B, H, Nq, dv) float32, which the dk/dv kernel adds to the
     key side as it stores ``grad_v``; ``exact_blocks`` are the forward's flags (``forward_launches``). ``grad_q``,
     ``grad_k`` and ``grad_v`` have the strides of q, k and v, ``grad_out`` those of ``out`` (``in_layout_of``)."""
-    inputs = (query, key, value, norms, *_masks(norms, key_keep, documents), grad_out, lse, delta, own_dot)
+    inputs = (query, key, value, norms, *_masks(norms, key_keep, documents), grad_out, row_stats, delta, own_dot)
     flags = (p, is_causal, window, key_keep is not None, documents is not None, euler, eps, exact_only)
     query_blocks, key_tiles = exact_blocks
     layout = _layout(query, key, value, out)
-    dq = (plap_dq_kernel, config.dq, layout, (*inputs, out, own_weight, grad_q, grad_v_own, query_blocks))
+    dq = (plap_dq_kernel, config.dq, layout, (*inputs, out, grad_q, grad_v_own, query_blocks))
     dkdv = (plap_dkdv_kernel, config.dkdv, layout, (*inputs, grad_v_own, grad_k, grad_v, key_tiles))
     return _launches(*dq, *flags, config.fwd.block_m) + _launches(*dkdv, *flags, config.fwd.block_n)
 
@@ -469,23 +472,16 @@ def _fused_op(name, function, fake):
 
 def forward_plan(query, key, value, key_keep, documents, p, is_causal, window, eps, euler, config, alone):
     """The forward's outputs, allocated, and the launches that write them: the output, then what the backward needs,
-    the row statistics (``_row_stats``), the values' norms and the exact passes' flags (``_exact_flags``); ``alone``:
-    each kernel runs its exact pass alone (``exact_pass_alone``)."""
+    the row statistics (``forward_launches``), the values' norms and the exact passes' flags (``_exact_flags``);
+    ``alone``: each kernel runs its exact pass alone (``exact_pass_alone``)."""
     batch, heads, num_queries, _ = query.shape
     out = output_like(query, value)
     row_stats = torch.empty(1 + euler, batch, heads, num_queries, device=query.device, dtype=torch.float32)
     norms = value_norms(value)  # (B, H, Nk)
     exact_blocks = _exact_flags(query, key, config, alone)
-    lse, own_weight = _row_stats(row_stats, norms, euler)
-    launches = forward_launches(query, key, value, norms, key_keep, documents, out, lse, own_weight, exact_blocks,
-                                tuple(p), is_causal, eps, euler, config, alone, window)  # fmt: skip
+    launches = forward_launches(query, key, value, norms, key_keep, documents, out, row_stats, exact_blocks, tuple(p),
+                                is_causal, eps, euler, config, alone, window)  # fmt: skip
     return (out, row_stats, norms, *exact_blocks), launches
-
-
-def _row_stats(row_stats, norms, euler):
-    """(logsumexp, own weights) of the forward's row statistics (1 + euler, B, H, Nq): one allocation. Without euler
-    the kernels never touch own weights, and the values' norms stand in for them (``_masks``)."""
-    return (row_stats[0], row_stats[1]) if euler else (row_stats, norms)
 
 
 def _fused_forward(
@@ -524,10 +520,9 @@ def backward_plan(grad_out, query, key, value, key_keep, documents, out, row_sta
     own_dot = torch.empty_like(delta) if euler else norms  # never read by the paper formulation (``_masks``)
     grad_q, grad_k, grad_v = torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
     grad_v_own = torch.empty(out.shape, device=query.device, dtype=torch.float32)
-    lse, own_weight = _row_stats(row_stats, norms, euler)
     launches = backward_launches(
-        query, key, value, norms, key_keep, documents, grad_out, out, lse, delta, own_dot, own_weight, grad_q, grad_k,
-        grad_v, grad_v_own, (query_blocks, key_tiles), tuple(p), is_causal, eps, euler, config, alone, window,
+        query, key, value, norms, key_keep, documents, grad_out, out, row_stats, delta, own_dot, grad_q, grad_k, grad_v,
+        grad_v_own, (query_blocks, key_tiles), tuple(p), is_causal, eps, euler, config, alone, window,
     )  # fmt: skip
     return (grad_q, grad_k, grad_v), launches
 

@@ -150,11 +150,11 @@ def _dkdv_tile(grad_k, grad_v, grad_dist_sum, keys, queries, head, sizes, start,
     return grad_k, grad_v, grad_dist_sum
 
 
-@jit(do_not_specialize=["high_heads"])  # a bit mask, not a size
+@jit(do_not_specialize=["high_heads", "stats_plane"])  # as plap_forward_kernel's
 def plap_dkdv_kernel(
     Q, K, V, Norms, KeyKeep, Documents, GradOut, Lse, Delta, OwnDot, GradVOwn, GradK, GradV, KeyTiles,
     head_start, run_heads, num_heads, num_queries, num_keys, window, scale_log2, exponent_low, exponent_high,
-    high_heads, eps,
+    high_heads, eps, stats_plane,
     stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_ob, stride_oh,
     HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, POWER: tl.constexpr, IS_CAUSAL: tl.constexpr,
@@ -254,11 +254,11 @@ def _dq_tile(grad_q, grad_v_own, grad_dist_sum, queries, keys, head, sizes, star
     return grad_q, grad_v_own, grad_dist_sum
 
 
-@jit(do_not_specialize=["high_heads"])  # a bit mask, not a size
+@jit(do_not_specialize=["high_heads", "stats_plane"])  # as plap_forward_kernel's
 def plap_dq_kernel(
-    Q, K, V, Norms, KeyKeep, Documents, GradOut, Lse, Delta, OwnDot, Out, OwnWeight, GradQ, GradVOwn, QueryBlocks,
+    Q, K, V, Norms, KeyKeep, Documents, GradOut, Lse, Delta, OwnDot, Out, GradQ, GradVOwn, QueryBlocks,
     head_start, run_heads, num_heads, num_queries, num_keys, window, scale_log2, exponent_low, exponent_high,
-    high_heads, eps,
+    high_heads, eps, stats_plane,
     stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_ob, stride_oh,
     HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, POWER: tl.constexpr, IS_CAUSAL: tl.constexpr,
@@ -332,6 +332,6 @@ def plap_dq_kernel(
     # dv_x += 2 sum_y dL/dD2 (v_x - v_y), plus for euler the direct dU_x (1 - rowsum W_off).
     grad_v_own -= row_sums(grad_dist_sum)[:, None] * v_query.to(tl.float32)
     if EULER:
-        own_weight = tl.load(OwnWeight + slab * num_queries + rows, mask=rows < num_queries, other=0.0)
+        own_weight = tl.load(Lse + stats_plane + slab * num_queries + rows, mask=rows < num_queries, other=0.0)
         grad_v_own += own_weight[:, None] * grad_out.to(tl.float32)
     store_rows((GradVOwn + slab * num_queries * VALUE_DIM, VALUE_DIM), rows, num_queries, grad_v_own, VALUE_DIM)

@@ -65,11 +65,12 @@ def _forward_tile(row_max, row_sum, off_sum, acc, queries, keys, head, sizes, st
     return new_max, row_sum, off_sum, acc, has_close
 
 
-@jit(do_not_specialize=["high_heads"])  # a bit mask, not a size: one compilation serves every layout of p
+# high_heads is a bit mask, not a size: one compilation serves every layout of p; stats_plane varies with the batch.
+@jit(do_not_specialize=["high_heads", "stats_plane"])
 def plap_forward_kernel(
-    Q, K, V, Norms, KeyKeep, Documents, Out, Lse, OwnWeight, ExactBlocks, KeyTiles,
+    Q, K, V, Norms, KeyKeep, Documents, Out, Lse, ExactBlocks, KeyTiles,
     head_start, run_heads, num_heads, num_queries, num_keys, window, scale_log2, exponent_low, exponent_high,
-    high_heads, eps,
+    high_heads, eps, stats_plane,
     stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_ob, stride_oh,
     HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, POWER: tl.constexpr, IS_CAUSAL: tl.constexpr,
@@ -105,7 +106,7 @@ def plap_forward_kernel(
     if PASS == FIRST_PASS:  # the exact pass sets the flags of the key tiles where it meets close pairs
         for tile in range(pid_m, tl.cdiv(num_keys, BLOCK_N), tl.cdiv(num_queries, BLOCK_M)):
             tl.store(KeyTiles + tile, 0)
-    stats = slab * num_queries  # Lse and OwnWeight are (B, H, Nq)
+    stats = slab * num_queries  # Lse is (1 + EULER, B, H, Nq): the logsumexp, then euler's own weights
     if HEAD_CHUNK:  # distances reads the values from V; euler loads them after the loop
         q = (Q, rows, num_queries)
         v_query = 0.0
@@ -153,7 +154,7 @@ def plap_forward_kernel(
         if HEAD_CHUNK:
             v_query = load_rows(V, rows + offset, num_keys, VALUE_DIM, BLOCK_DV)  # [BM, BDV]
         out += own_weight[:, None] * v_query.to(tl.float32)
-        tl.store(OwnWeight + stats + rows, own_weight, mask=row_in)
+        tl.store(Lse + stats_plane + stats + rows, own_weight, mask=row_in)  # stats_plane = B * H * Nq
     Out = slab_rows(Out, slab, num_heads, (stride_ob, stride_oh, OUT_ROW_STRIDE))
     store_rows(Out, rows, stored_rows, out, VALUE_DIM)
     # In log2 units; +inf on fully masked rows makes the backward's exp2(s - lse) exactly 0 there.

@@ -230,8 +230,8 @@ def test_triton_backward_passes_split_blocks_by_the_forward_flags():
             delta = torch.empty_like(lse[0])
             grad_v_own = torch.full(out.shape, float("nan"), device=DEVICE)
             for launch in triton_module.backward_launches(query, key, value, norms, None, None, grad_out, out, lse,
-                                                          delta, delta, lse, *grads, grad_v_own, flags, p, True,
-                                                          1e-6, False, config):  # fmt: skip
+                                                          delta, delta, *grads, grad_v_own, flags, p, True, 1e-6,
+                                                          False, config):  # fmt: skip
                 if bool(launch.meta["PASS"]) == exact:
                     triton_module._run(launch, query, value)
             written = flagged == exact

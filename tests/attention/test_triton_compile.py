@@ -9,9 +9,9 @@ the architectures of the GPUs that run them (triton_configs.SHARED_MEMORY_LIMIT)
 the GPUs that run its table (triton_configs.FAMILY_TABLES: sm_120 runs the 8.x table within 99 KB; the sample also
 spills at most 4 KB per thread); registers and spills are printed. Each launch is also analysed as torch.compile
 sees it (``triton_aot.written_arguments``, torch's own analysis of the kernel for that target): the analysis must
-succeed, and no tensor that the kernel writes may share memory with another of its arguments, or the clones that
-torch.compile's functionalization writes back would overwrite each other. Triton's cache points at a new directory,
-so that nothing compiled before can hide a failure; the compilation starts with the first attention test
+succeed, and no tensor that the kernel writes may share memory (a storage) with another of its arguments, or the
+clones that torch.compile's functionalization writes back would overwrite each other. Triton's cache points at a new
+directory, so that nothing compiled before can hide a failure; the compilation starts with the first attention test
 (conftest.py).
 
 By default a sample (``SAMPLE``, 234 kernel passes): on sm_80 and sm_90 every padded head size each dtype is admitted

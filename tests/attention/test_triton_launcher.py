@@ -46,8 +46,8 @@ def forward_launches(kernel, query, flags=None):
     batch, heads, length, _ = query.shape
     sq_norms, stats = (torch.zeros(batch, heads, length, dtype=torch.float32) for _ in range(2))
     exact_blocks = (sq_norms.new_empty(0, dtype=torch.int32),) * 2
-    launches = triton_module.forward_launches(query, query, query, sq_norms, None, None, query, stats, stats,
-                                              exact_blocks, (1.5, 1.5), True, 1e-6, False, INTERPRETER_CONFIG,
+    launches = triton_module.forward_launches(query, query, query, sq_norms, None, None, query, stats, exact_blocks,
+                                              (1.5, 1.5), True, 1e-6, False, INTERPRETER_CONFIG,
                                               exact_only=True)  # fmt: skip
     return [launch._replace(kernel=kernel) for launch in launches]
 

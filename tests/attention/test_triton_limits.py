@@ -318,11 +318,10 @@ def test_the_paper_mix_is_one_launch_per_kernel_pass_of_small_calls(alone):
     flags = (p, True, 1e-6, False, triton_configs.INTERPRETER_CONFIG, alone)
     exact_blocks = [torch.zeros(n) for n in triton_module.exact_block_counts(query, query,
                                                                              triton_configs.INTERPRETER_CONFIG)]
-    forward = triton_module.forward_launches(query, query, query, norms, None, None, query, stats, stats,
-                                             exact_blocks, *flags)  # fmt: skip
+    forward = triton_module.forward_launches(query, query, query, norms, None, None, query, stats, exact_blocks,
+                                             *flags)  # fmt: skip
     backward = triton_module.backward_launches(query, query, query, norms, None, None, query, query, stats, stats,
-                                               stats, stats, query, query, query, query, exact_blocks,
-                                               *flags)  # fmt: skip
+                                               stats, query, query, query, query, exact_blocks, *flags)  # fmt: skip
     launched = [(launch.kernel.__name__, launch.meta["POWER"], launch.meta["PASS"]) for launch in forward + backward]
     classes = [tiles.POWER_QUARTERS] if alone else [tiles.POWER_MINUS_QUARTER, tiles.POWER_QUARTER]
     passes = [tiles.EXACT_ALONE] if alone else [tiles.FIRST_PASS, tiles.EXACT_PASS]
