@@ -177,7 +177,7 @@ def written_arguments(launch, arch):
     traced launch clones each written tensor, runs the kernel on the clones and copies each one back into its storage,
     so that an overlap loses what the kernel wrote, and views of one storage written by successive launches are not
     kept apart (torch's own note in its functionalization of kernel launches; measured on an H200 with torch 2.11:
-    euler's logsumexp and own weights, two views of one tensor, gave a wrong dV under torch.compile at 2k tokens).
+    with euler's logsumexp and own weights two views of one tensor, a compiled call at 2k tokens gave a wrong dV).
     ``written`` is None where the analysis failed: torch then takes every tensor as written."""
     import triton
     from torch._higher_order_ops import triton_kernel_wrap
