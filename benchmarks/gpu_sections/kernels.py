@@ -2,6 +2,7 @@
 time of the call, in all, in its Triton launches and by function."""
 
 import collections
+import contextlib
 import cProfile
 import importlib
 import platform
@@ -25,6 +26,9 @@ KERNEL_CASES = {
     **{name: (ATTENTION_SHAPES[name], None) for name in ("paper-lm", *KERNEL_SPEED_SHAPES)},
     "4k-p1.5": (ATTENTION_SHAPES["4k"], 1.5),
 }
+# Cases measured again with the first passes' register caps (``KernelConfig.max_registers``) off, as Inductor launches
+# the kernels: compiled at 2k on an H200, dK/dV ran 10% faster uncapped (benchmarks/results/README.md).
+UNCAPPED_CASES = ("4k", "16k")
 
 
 def device_events(call, device, repeats):
@@ -174,6 +178,23 @@ def _checked_c_launcher(launcher):
             and not launcher.global_scratch_size and not launcher.profile_scratch_size)  # fmt: skip
 
 
+@contextlib.contextmanager
+def without_register_caps():
+    """The Triton backend's launch configurations with no register cap (``max_registers`` 0), while inside."""
+    triton_module = importlib.import_module("modeling_plat.plap_attention_triton")
+    capped = triton_module.launch_config
+
+    def uncapped(*args):
+        config = capped(*args)
+        return type(config)(*(kernel._replace(max_registers=0) for kernel in config))
+
+    triton_module.launch_config = uncapped
+    try:
+        yield
+    finally:
+        triton_module.launch_config = capped
+
+
 class _NoRun:
     """A compiled kernel whose launcher does nothing."""
 
@@ -226,11 +247,15 @@ def _function_label(file, line, name):
     return f"{Path(*parts).as_posix()}:{line}({name})"
 
 
-def kernels_section(device, log, cases=KERNEL_CASES, repeats=5, launch_rounds=7, launch_count=50):
+def kernels_section(device, log, cases=KERNEL_CASES, repeats=5, launch_rounds=7, launch_count=50,
+                    uncapped=UNCAPPED_CASES):  # fmt: skip
     """A row per case: its kernels, its host time and host profile; the first case's also the host cost of one of its
-    launches by the ways of launching it (``launch_costs``)."""
+    launches by the ways of launching it (``launch_costs``); then the ``uncapped`` cases again without the register
+    caps (``<name>-uncapped``)."""
+    runs = [(name, case, False) for name, case in cases.items()]
+    runs += [(f"{name}-uncapped", cases[name], True) for name in uncapped]
     rows = []
-    for index, (name, ((batch, heads, length, head_dim, causal), p)) in enumerate(cases.items()):
+    for index, (name, ((batch, heads, length, head_dim, causal), p), no_caps) in enumerate(runs):
         q, k, v, grad_out = bf16_attention_inputs(batch, heads, length, head_dim, device)
         p_heads = tuple(paper_p_mix(heads)) if p is None else (p,) * heads
         row = dict(name=name, batch=batch, heads=heads, length=length, head_dim=head_dim, causal=causal,
@@ -239,10 +264,12 @@ def kernels_section(device, log, cases=KERNEL_CASES, repeats=5, launch_rounds=7,
         def call():
             torch.autograd.grad(plap_attention(q, k, v, p_heads, is_causal=causal), (q, k, v), grad_out)
 
+        if no_caps:
+            row["register_caps"] = False
         try:
             # Host times before the profiler session: measured after it (6d6cd30's record), a paper-LM call's host
             # work read 1.73 ms where the attention section's whole synchronised call took 1.33.
-            with backend_spy() as chosen:
+            with backend_spy() as chosen, (without_register_caps() if no_caps else contextlib.nullcontext()):
                 row["host"] = host_times(call, device, repeats)
                 row["host_profile"] = host_profile(call, device, repeats)
                 row["kernels"] = kernel_times(call, device, repeats)

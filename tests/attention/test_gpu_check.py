@@ -15,7 +15,7 @@ import gpu_check
 from gpu_sections.attention import (attention_section, attention_timings, envelope_section, fallback_section,
                                     timed_fields)  # fmt: skip
 from gpu_sections.kernels import (HOST_PROFILE_TOP, host_profile, host_times, kernel_times, kernels_section,
-                                 launch_costs)  # fmt: skip
+                                 launch_costs, without_register_caps)  # fmt: skip
 from gpu_sections.measure import backend_spy, paired_ratio, relative_error, side_by_side
 from gpu_sections.models import (COMPILE_PRESETS, compile_section, decode_section, main_job_arguments, main_job_section,
                                  train_section)  # fmt: skip
@@ -220,8 +220,10 @@ def test_kernel_times_by_name_and_launch_order():
 
 def test_kernels_section_on_cpu():
     cases = {"tiny": ((1, 2, 24, 8, True), None), "tiny-p1.5": ((1, 2, 24, 8, True), 1.5)}
-    mixed, single = kernels_section(CPU, quiet, cases=cases, repeats=2)
+    mixed, single, uncapped = kernels_section(CPU, quiet, cases=cases, repeats=2, uncapped=("tiny",))
     assert mixed["p"] == [1.5, 2.5] and single["p"] == [1.5]
+    assert uncapped["name"] == "tiny-uncapped" and uncapped["register_caps"] is False and "register_caps" not in mixed
+    assert "failures" not in uncapped and uncapped["kernels"]
     # Two calls timed for the host, two profiled for it, then a warm-up and two profiled for the kernels.
     assert "failures" not in mixed and mixed["backends"] == {"eager": 7}
     assert mixed["total_us"] == sum(kernel["us"] for kernel in mixed["kernels"].values()) > 0
@@ -247,6 +249,16 @@ def test_host_times_count_the_triton_launches(formulation):
     # the row statistics of either formulation) and dK/dV's.
     assert host["launches"] == 3 and 0 < host["launch_us"] < host["call_us"]
     assert triton_module._run.__name__ == "_run"  # restored
+
+
+def test_without_register_caps_clears_every_kernel_s_cap_while_inside():
+    capped = triton_module.launch_config(torch.bfloat16, 64, 64, (9, 0))
+    assert any(kernel.max_registers for kernel in capped)  # the first passes' caps on sm_90
+    with without_register_caps():
+        uncapped = triton_module.launch_config(torch.bfloat16, 64, 64, (9, 0))
+    assert all(kernel.max_registers == 0 for kernel in uncapped)
+    assert uncapped == type(capped)(*(kernel._replace(max_registers=0) for kernel in capped))
+    assert triton_module.launch_config(torch.bfloat16, 64, 64, (9, 0)) == capped  # restored
 
 
 @pytest.mark.skipif(not triton_module.INTERPRETED and not torch.cuda.is_available(),
