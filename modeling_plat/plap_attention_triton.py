@@ -361,9 +361,9 @@ def forward_launches(query, key, value, norms, key_keep, documents, out, row_sta
     padding mask or None, ``documents`` the ``document_table`` of packed rows or None, ``norms`` the (B, H, Nk)
     float32 norms of the values, ``row_stats`` the (1 + euler, B, H, Nq) float32 row statistics that it writes (the
     logsumexp, then euler's own weights: one tensor, never two views of one, which torch.compile's functionalization
-    of the kernels' writes would not keep apart), ``exact_blocks`` two int32 tensors of ``exact_block_counts(...)``
-    elements (not read with ``exact_only``), ``window`` the size of a causal sliding window (keys in (x - window, x]
-    of the query at key position x; 0: none)."""
+    of the kernels' writes does not reliably keep apart), ``exact_blocks`` two int32 tensors of
+    ``exact_block_counts(...)`` elements (not read with ``exact_only``), ``window`` the size of a causal sliding window
+    (keys in (x - window, x] of the query at key position x; 0: none)."""
     tensors = (query, key, value, norms, *_masks(norms, key_keep, documents), out, row_stats, *exact_blocks)
     flags = (p, is_causal, window, key_keep is not None, documents is not None, euler, eps, exact_only)
     return _launches(plap_forward_kernel, config.fwd, _layout(query, key, value, out), tensors, *flags)
