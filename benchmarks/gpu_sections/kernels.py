@@ -157,13 +157,15 @@ def launch_costs(call, device, rounds, count):
         for name in names[round_ % len(names) :] + names[: round_ % len(names)]:
             if name == "plat_python":
                 table[key] = (_NoRun(compiled), constexprs)
-            synchronize(device)
-            start = time.perf_counter()
-            for _ in range(count):
-                variants[name]()
-            times[name].append((time.perf_counter() - start) / count * 1e6)
-            if entry is not None:
-                table[key] = entry
+            try:
+                synchronize(device)
+                start = time.perf_counter()
+                for _ in range(count):
+                    variants[name]()
+                times[name].append((time.perf_counter() - start) / count * 1e6)
+            finally:
+                if name == "plat_python":
+                    table[key] = entry
     synchronize(device)
     return {name: statistics.median(times[name]) for name in names}
 

@@ -278,7 +278,7 @@ class HostCalls:
             self.module._run = original
 
     def forward(self):
-        """out, lse, own weight and squared norms: what the forward saves for the backward."""
+        """What the forward saves for the backward: the output, the row statistics, the values' norms, the flags."""
         return self.fused_forward(self.query, self.key, self.value, None, None, self.p, True, *self.window, 1e-6,
                                   False, self.config)  # fmt: skip
 
