@@ -10,7 +10,8 @@ preference list (``preference``) that has no objection, once per group of heads.
 attention in every formulation and run through ``scaled_dot_product_attention`` whatever the backend.
 Nothing here reads a tensor on the host: p is static data, so compiled graphs do not break and GPUs do not wait.
 The choice depends on the inputs' shapes, dtypes and masks and on the facts of the machine (``Platform``), which
-are read once per call outside what torch.compile traces: a traced call chooses exactly what an eager call does.
+are read once per call outside what torch.compile traces: a traced call chooses exactly what an eager call does. Eager
+calls keep their checks and choices by those facts (a model asks the same questions at every step).
 On CUDA, "auto" never leaves the fused kernels silently: it logs once per reason what it runs instead, and why.
 """
 
@@ -67,8 +68,14 @@ def device_platform(device_type, device_index):
     capability, memory = None, None
     if device_type == "cuda":
         capability, memory = device_capability(device_index), _cuda_memory(device_index)
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    return Platform(device_type, capability, torch.get_num_threads(), interpreted, memory)
+    return Platform(device_type, capability, torch.get_num_threads(), _triton_interpreted(), memory)
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_interpreted():
+    """TRITON_INTERPRET=1, which Triton reads as it decorates the kernels, once per process: asked once (a read of the
+    environment takes more Python than the rest of a call's platform)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @functools.lru_cache(maxsize=None)
@@ -199,14 +206,43 @@ def _log_fallback(message):
     return True
 
 
+# Eager calls' choices by signature (``choose_backend``), at most MAX_CHOICES of them.
+_CHOICES = {}
+MAX_CHOICES = 1024
+
+
 def choose_backend(backend, query, key, value, *, p, p_trains=False, attn_mask=None, is_causal=False,
                    sliding_window=None, document_ids=None, formulation="paper", platform=None):  # fmt: skip
     """The backend that runs these heads: ``backend`` itself when it can (else a ValueError saying why), or for
-    "auto" the first of ``preference`` with no objection. ``platform`` defaults to the inputs' device's."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}")
+    "auto" the first of ``preference`` with no objection. ``platform`` defaults to the inputs' device's.
+
+    The choice reads the inputs' shapes, dtypes and devices, those of the mask and the document ids, and the other
+    arguments, never a tensor's values: eager calls keep it by those facts and the ``Platform`` (a model's layers ask
+    the same question at every step). A p that trains (a tensor) and torch.compile's trace choose afresh.
+    """
     if platform is None:
         platform = device_platform(query.device.type, query.device.index)
+    if p_trains or type(p) is not tuple or torch.compiler.is_compiling():
+        return _choose(backend, query, key, value, p, p_trains, attn_mask, is_causal, sliding_window, document_ids,
+                       formulation, platform)  # fmt: skip
+    signature = (backend, platform, p, formulation, is_causal, sliding_window, query.shape, key.shape, value.shape,
+                 query.dtype, key.dtype, value.dtype, query.device, key.device, value.device,
+                 None if attn_mask is None else (attn_mask.shape, attn_mask.dtype, attn_mask.device),
+                 None if document_ids is None else (document_ids.shape, document_ids.dtype, document_ids.device))
+    chosen = _CHOICES.get(signature)
+    if chosen is None:
+        chosen = _choose(backend, query, key, value, p, p_trains, attn_mask, is_causal, sliding_window, document_ids,
+                         formulation, platform)  # fmt: skip
+        if len(_CHOICES) >= MAX_CHOICES:
+            _CHOICES.clear()
+        _CHOICES[signature] = chosen
+    return chosen
+
+
+def _choose(backend, query, key, value, p, p_trains, attn_mask, is_causal, sliding_window, document_ids, formulation,
+            platform):  # fmt: skip
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}")
     candidates = preference(query, key, platform) if backend == "auto" else (backend,)
     reasons = []
     for name in candidates:
@@ -244,21 +280,41 @@ def _memory_note(name, query, key):
     return ""
 
 
-def _check_inputs(query, key, value, num_p, attn_mask, document_ids, eps, formulation):
-    if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
+def _facts(tensor):
+    """(shape, dtype) of an optional tensor, or None: what the checks read of a mask or of document ids."""
+    return None if tensor is None else (tensor.shape, tensor.dtype)
+
+
+@eager_cache
+def _checked_call(shapes, num_p, p_values, p_trains, mask, documents, eps, formulation, sliding_window, is_causal):
+    """What a call's checks settle, from its facts (a ValueError where one fails), kept per facts in eager calls: the
+    causal sliding window's size or None (``_checked_window``), and the runs of heads by p (``head_groups``).
+    ``shapes`` are those of q, k and v, ``mask`` and ``documents`` the ``_facts`` of the mask and the document ids;
+    ``p_values``, ``p_trains``: ``_static_p``'s values (None where unknown on the host) and whether p trains, ``num_p``
+    how many p there are."""
+    _check_inputs(*shapes, num_p, mask, documents, eps, formulation)
+    if p_values is not None:
+        _checked_p(p_values)
+    num_heads, num_keys = shapes[0][1], shapes[1][-2]
+    groups = head_groups(None if p_trains else p_values, num_heads)
+    return _checked_window(sliding_window, is_causal, num_keys), groups
+
+
+def _check_inputs(query_shape, key_shape, value_shape, num_p, mask, documents, eps, formulation):
+    if len(query_shape) != 4 or len(key_shape) != 4 or len(value_shape) != 4:
         raise ValueError(
-            f"query, key and value must be 4-D (B, H, N, d); got {tuple(query.shape)}, "
-            f"{tuple(key.shape)}, {tuple(value.shape)}"
+            f"query, key and value must be 4-D (B, H, N, d); got {tuple(query_shape)}, "
+            f"{tuple(key_shape)}, {tuple(value_shape)}"
         )
-    if query.shape[:2] != key.shape[:2] or key.shape[:3] != value.shape[:3]:
+    if query_shape[:2] != key_shape[:2] or key_shape[:3] != value_shape[:3]:
         raise ValueError(
-            f"query {tuple(query.shape)}, key {tuple(key.shape)} and value {tuple(value.shape)} must share "
+            f"query {tuple(query_shape)}, key {tuple(key_shape)} and value {tuple(value_shape)} must share "
             "(B, H), and key and value their length"
         )
-    if query.shape[-1] != key.shape[-1]:
-        raise ValueError(f"query and key head sizes differ: {query.shape[-1]} vs {key.shape[-1]}")
-    batch, num_heads, num_queries = query.shape[:3]
-    num_keys = key.shape[-2]
+    if query_shape[-1] != key_shape[-1]:
+        raise ValueError(f"query and key head sizes differ: {query_shape[-1]} vs {key_shape[-1]}")
+    batch, num_heads, num_queries = query_shape[:3]
+    num_keys = key_shape[-2]
     if num_queries > num_keys:
         raise ValueError(
             f"p-Laplacian attention needs each query's own value: {num_queries} queries cannot be more "
@@ -270,32 +326,40 @@ def _check_inputs(query, key, value, num_p, attn_mask, document_ids, eps, formul
         raise ValueError(f"eps must be > 0; got {eps}")
     if formulation not in FORMULATIONS:
         raise ValueError(f"formulation must be one of {tuple(FORMULATIONS)}; got {formulation!r}")
-    if attn_mask is not None:
-        if attn_mask.dtype != torch.bool:
-            raise ValueError(f"attn_mask must be boolean (True = may attend); got {attn_mask.dtype}")
+    if mask is not None:
+        mask_shape, mask_dtype = mask
+        if mask_dtype != torch.bool:
+            raise ValueError(f"attn_mask must be boolean (True = may attend); got {mask_dtype}")
         target = (batch, num_heads, num_queries, num_keys)
         try:
-            torch.broadcast_shapes(attn_mask.shape, target)
+            torch.broadcast_shapes(mask_shape, target)
         except RuntimeError:
             raise ValueError(
-                f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to (B, H, Nq, Nk) = {target}"
+                f"attn_mask of shape {tuple(mask_shape)} does not broadcast to (B, H, Nq, Nk) = {target}"
             ) from None
-    if document_ids is not None:
-        if document_ids.shape != (batch, num_keys) or num_queries != num_keys:
+    if documents is not None:
+        document_shape, document_dtype = documents
+        if document_shape != (batch, num_keys) or num_queries != num_keys:
             raise ValueError(
                 f"document_ids must be (B, N) = {(batch, num_keys)} with as many queries as keys (packed "
-                f"sequences cannot use a KV cache); got {tuple(document_ids.shape)} for {num_queries} queries"
+                f"sequences cannot use a KV cache); got {tuple(document_shape)} for {num_queries} queries"
             )
-        if document_ids.is_floating_point() or document_ids.dtype == torch.bool:
-            raise ValueError(f"document_ids must be integers; got {document_ids.dtype}")
+        if document_dtype.is_floating_point or document_dtype == torch.bool:
+            raise ValueError(f"document_ids must be integers; got {document_dtype}")
+
+
+def _window_size(sliding_window):
+    """``sliding_window`` where it is an integer >= 1 or None, else a ValueError."""
+    if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
+                                       or sliding_window < 1):  # fmt: skip
+        raise ValueError(f"sliding_window must be an integer >= 1 or None; got {sliding_window!r}")
+    return sliding_window
 
 
 def _checked_window(sliding_window, is_causal, num_keys):
     """The window's size, or None where it leaves every causal pair (at least as long as the keys)."""
-    if sliding_window is None:
+    if _window_size(sliding_window) is None:
         return None
-    if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1:
-        raise ValueError(f"sliding_window must be an integer >= 1 or None; got {sliding_window!r}")
     if not is_causal:
         raise ValueError("sliding_window needs is_causal=True: the window is (x - sliding_window, x] of each query x")
     return sliding_window if sliding_window < num_keys else None
@@ -318,15 +382,13 @@ def _static_p(p, num_heads):
     return tuple(map(float, p)), None
 
 
-@eager_cache
 def _checked_p(p_values):
-    """``p_values`` when every p is finite and >= 1 (checked once per tuple of values), else a ValueError."""
+    """``p_values`` when every p is finite and >= 1, else a ValueError."""
     if not all(math.isfinite(v) and v >= 1 for v in p_values):
         raise ValueError(f"p must be finite and >= 1; got {list(p_values)}")
     return p_values
 
 
-@eager_cache
 def head_groups(p_values, num_heads):
     """Runs of consecutive heads as (first, end, softmax), softmax True for a run of p = 2 heads.
 
@@ -414,13 +476,13 @@ def plap_attention(
     num_heads = query.shape[1] if query.dim() == 4 else 0
     p_values, p_tensor = _static_p(p, num_heads)
     num_p = len(p_values) if p_values is not None else p_tensor.numel()
-    _check_inputs(query, key, value, num_p, attn_mask, document_ids, eps, formulation)
-    sliding_window = _checked_window(sliding_window, is_causal, key.shape[-2])
+    sliding_window, groups = _checked_call(
+        (query.shape, key.shape, value.shape), num_p, p_values, p_tensor is not None, _facts(attn_mask),
+        _facts(document_ids), eps, formulation, _window_size(sliding_window), is_causal,
+    )  # fmt: skip
     query, key, value = _one_dtype(query, key, value)
-    if p_values is not None:
-        _checked_p(p_values)
     outputs, lengths = [], (query.shape[-2], key.shape[-2])
-    for first, end, softmax in head_groups(None if p_tensor is not None else p_values, num_heads):
+    for first, end, softmax in groups:
         q, k, v = (_heads(query, first, end, num_heads), _heads(key, first, end, num_heads),
                    _heads(value, first, end, num_heads))
         mask = _heads(attn_mask, first, end, num_heads)

@@ -229,3 +229,68 @@ def test_compiled_attention_traces_no_cache_wrapper(monkeypatch):
         compiled = torch.compile(attend, backend="aot_eager", fullgraph=True)(q)
     assert not [str(warning.message)[:200] for warning in caught if "lru_cache" in str(warning.message)]
     torch.testing.assert_close(compiled, eager)
+
+
+def test_a_kept_choice_is_the_one_each_fact_of_the_call_gives(monkeypatch):
+    """Eager calls keep the choice of backend by what it reads (``choose_backend``): a repeated call decides nothing
+    again, and a call that differs in any one of those facts gets the choice its own facts give, not a kept one."""
+    decided = []
+    decide = dispatch._choose
+    monkeypatch.setattr(dispatch, "_choose", lambda *args: decided.append(args) or decide(*args))
+    q = torch.zeros(2, 3, 16, 8, device=DEVICE)
+    call = dict(backend="auto", query=q, key=q, value=q, p=(1.5, 2.5, 1.5), is_causal=True)
+    big = torch.zeros(2, 3, 256, 8, device=DEVICE)  # above the CPU's eager limit with one thread
+    variants = {
+        "the same call": {},
+        "another backend": dict(backend="tiled"),
+        "another p": dict(p=(1.5, 1.5, 1.5)),
+        "another formulation": dict(formulation="euler"),
+        "not causal": dict(is_causal=False),
+        "a sliding window": dict(sliding_window=4),
+        "another dtype": dict(query=q.double(), key=q.double(), value=q.double()),
+        "longer keys": dict(key=big[:, :, :20], value=big[:, :, :20]),
+        "a key-padding mask": dict(attn_mask=torch.ones(2, 1, 1, 16, dtype=torch.bool, device=DEVICE)),
+        "a general mask": dict(attn_mask=torch.ones(2, 3, 16, 16, dtype=torch.bool, device=DEVICE)),
+        "document ids": dict(document_ids=torch.zeros(2, 16, dtype=torch.long, device=DEVICE)),
+        "a GPU": dict(platform=HOPPER),
+        "one thread": dict(query=big, key=big, value=big,
+                           platform=dispatch.device_platform(DEVICE.type, None)._replace(threads=1)),
+    }  # fmt: skip
+
+    def choose(arguments):
+        arguments = dict(arguments)
+        backend, query, key, value = (arguments.pop(name) for name in ("backend", "query", "key", "value"))
+        return dispatch.choose_backend(backend, query, key, value, **arguments)
+
+    choose(call)
+    for name, change in variants.items():
+        decided.clear()
+        arguments = {**call, **change}
+        first, again = choose(arguments), choose(arguments)
+        platform = arguments.get("platform") or dispatch.device_platform(DEVICE.type, DEVICE.index)
+        fresh = decide(arguments["backend"], arguments["query"], arguments["key"], arguments["value"], arguments["p"],
+                       False, arguments.get("attn_mask"), arguments["is_causal"], arguments.get("sliding_window"),
+                       arguments.get("document_ids"), arguments.get("formulation", "paper"), platform)  # fmt: skip
+        assert first is again is fresh, name
+        assert len(decided) == (name != "the same call"), name  # once, the first time its facts came
+    # Choices that read what they cannot keep are made afresh: a p that trains.
+    decided.clear()
+    trained = torch.tensor([1.5, 2.5, 1.5], requires_grad=True)
+    for _ in range(2):
+        assert dispatch.choose_backend("auto", q.cpu(), q.cpu(), q.cpu(), p=trained, p_trains=True).name == "eager"
+    assert len(decided) == 2
+
+
+def test_the_checks_of_a_call_raise_at_every_call():
+    """What the checks settle is kept per call's facts; a call that fails them raises every time, and does not keep
+    a later good call from running."""
+    q = torch.zeros(1, 2, 8, 4, device=DEVICE)
+    for _ in range(2):
+        with pytest.raises(ValueError, match="p must have one value per head"):
+            dispatch.plap_attention(q, q, q, (1.5,))
+        with pytest.raises(ValueError, match="sliding_window must be an integer"):
+            dispatch.plap_attention(q, q, q, (1.5, 2.5), is_causal=True, sliding_window=[4])
+        with pytest.raises(ValueError, match="attn_mask must be boolean"):
+            dispatch.plap_attention(q, q, q, (1.5, 2.5), attn_mask=torch.ones(1, 1, 1, 8, device=DEVICE))
+    expected = dispatch.plap_attention(q, q, q, (1.5, 2.5), backend="eager")
+    torch.testing.assert_close(dispatch.plap_attention(q, q, q, (1.5, 2.5)), expected)
