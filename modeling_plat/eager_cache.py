@@ -1,4 +1,4 @@
-"""What a call's static facts (dtypes, head sizes, p, a launch configuration) settle, computed once per process."""
+"""What a call's static facts (shapes, layouts, dtypes, p, a launch configuration) settle, computed once per process."""
 
 import functools
 

@@ -58,7 +58,7 @@ from .head_runs import head_runs
 from .plap_attention_reference import formulation_of, implemented
 from .triton_backward import plap_dkdv_kernel, plap_dq_kernel
 from .triton_configs import (
-    INTERPRETER_CONFIG, SUPPORTED_DTYPES, KernelConfig, LaunchConfig, capability_reason, device_capability,
+    SUPPORTED_DTYPES, KernelConfig, LaunchConfig, capability_reason, device_capability,
     interpreter_config, launch_config, padded_head_size,
 )  # fmt: skip
 from .triton_forward import plap_forward_kernel
@@ -208,14 +208,13 @@ def _slab_blocks(kernel, config, num_queries, num_keys):
     return _ceil_div(num_queries, config.block_m)
 
 
-@functools.lru_cache(maxsize=1024)
 def _launch_plan(kernel, config, shape, strides, p, is_causal, window, has_key_mask, has_documents, euler, eps,
                  exact_only, flag_block, keyed):  # fmt: skip
-    """(grid, scalar arguments, meta, PlanKey) of each launch of ``kernel`` (``launch_groups``), its first pass then its
-    exact pass (or that alone): what the shapes and layouts settle, computed once per shape (``keyed``, as
-    ``_layout`` says; symbolic sizes get no key). ``shape`` is (B, H, Nq, Nk, d, dv), ``strides`` those of q, k, v
-    and the output (``kernel_strides``), ``window`` the sliding window's size (0: none); a backward kernel's
-    ``flag_block`` is the size of the forward's blocks (dq) or key tiles (dk/dv) that its flags cover."""
+    """(kernel, grid, scalar arguments, meta, PlanKey) of each launch of ``kernel`` (``launch_groups``), its first pass
+    then its exact pass (or that alone): what the shapes and layouts settle (``call_plan``; no PlanKey unless
+    ``keyed``). ``shape`` is (B, H, Nq, Nk, d, dv), ``strides`` those of q, k, v and the output (``kernel_strides``),
+    ``window`` the sliding window's size (0: none); a backward kernel's ``flag_block`` is the size of the forward's
+    blocks (dq) or key tiles (dk/dv) that its flags cover."""
     batch, heads, num_queries, num_keys, head_dim, value_dim = shape
     blocks = _slab_blocks(kernel, config, num_queries, num_keys)
     slab_strides, (q_rows, k_rows, v_rows, out_rows) = strides
@@ -241,35 +240,47 @@ def _launch_plan(kernel, config, shape, strides, p, is_causal, window, has_key_m
             passes = [dict(meta, PASS=int(FIRST_PASS)), dict(meta, PASS=int(EXACT_PASS))]
             if config.max_registers and not (has_key_mask or has_documents):
                 passes[0]["maxnreg"] = config.max_registers
-        plan += [(grid, sizes, one, PlanKey((kernel, grid, sizes, tuple(one.items()))) if keyed else None)
+        plan += [(kernel, grid, sizes, one, PlanKey((kernel, grid, sizes, tuple(one.items()))) if keyed else None)
                  for one in passes]  # fmt: skip
     return tuple(plan)
 
 
-def _layout(query, key, value, out):
-    """What a call's launches take of its tensors' shapes and layouts: (B, H, Nq, Nk, d, dv), ``kernel_strides`` of q,
-    k, v and the output, and whether all of them are plain ints (symbolic sizes, torch.compile with dynamic shapes,
-    are not hashable: ``_launches`` plans without its cache then). Kept per shapes and strides."""
+class CallPlan(NamedTuple):
+    """The launches of a call's three kernels but their tensors (``call_plan``): per launch its kernel, grid, scalar
+    arguments, meta and PlanKey, as ``_launch_plan`` gives them."""
+
+    forward: tuple
+    dq: tuple
+    dkdv: tuple
+
+
+def call_plan(query, key, value, out, p, is_causal, window, has_key_mask, has_documents, euler, eps, config,
+              exact_only):  # fmt: skip
+    """The ``CallPlan`` of q, k, v and the output (B, H, N, C) in any ``kernel_layout``, by their shapes and strides
+    and the call's other facts (``forward_launches``): computed once per such facts in eager calls. Symbolic sizes
+    (torch.compile with dynamic shapes) are not hashable: they get no PlanKeys."""
     shapes = (query.shape, key.shape, value.shape, out.shape)
     strides = (query.stride(), key.stride(), value.stride(), out.stride())
     keyed = type(sum(map(sum, shapes + strides))) is int  # a sum with a symbolic size is symbolic
-    return (_layout_of if keyed else _layout_of.__wrapped__)(shapes, strides, keyed)
+    facts = (shapes, strides, tuple(p), is_causal, window, has_key_mask, has_documents, euler, eps, config, exact_only)
+    return (_call_plan if keyed else _call_plan.__wrapped__)(*facts, keyed)
 
 
 @eager_cache
-def _layout_of(shapes, strides, keyed):
+def _call_plan(shapes, strides, p, is_causal, window, has_key_mask, has_documents, euler, eps, config, exact_only,
+               keyed):  # fmt: skip
     (batch, heads, num_queries, head_dim), key_shape, value_shape, _ = shapes
-    return (batch, heads, num_queries, key_shape[2], head_dim, value_shape[3]), kernel_strides(shapes, strides), keyed
+    layout = ((batch, heads, num_queries, key_shape[2], head_dim, value_shape[3]), kernel_strides(shapes, strides))
+    flags = (p, is_causal, window, has_key_mask, has_documents, euler, eps, exact_only)
+    return CallPlan(_launch_plan(plap_forward_kernel, config.fwd, *layout, *flags, None, keyed),
+                    _launch_plan(plap_dq_kernel, config.dq, *layout, *flags, config.fwd.block_m, keyed),
+                    _launch_plan(plap_dkdv_kernel, config.dkdv, *layout, *flags, config.fwd.block_n, keyed))  # fmt: skip
 
 
-def _launches(kernel, config, layout, tensors, p, is_causal, window, has_key_mask, has_documents, euler, eps,
-              exact_only, flag_block=None):  # fmt: skip
-    """The launches of ``kernel`` on these tensors (``_launch_plan``), ``layout`` theirs (``_layout``)."""
-    shape, strides, keyed = layout
-    flags = (tuple(p), is_causal, window, has_key_mask, has_documents, euler, eps, exact_only, flag_block, keyed)
-    plan = _launch_plan if keyed else _launch_plan.__wrapped__
+def _bound(planned, tensors):
+    """The Launches of ``planned`` launches (a ``CallPlan`` field) on these tensors."""
     return [Launch(kernel, grid, (*tensors, *sizes), meta, len(tensors), key)
-            for grid, sizes, meta, key in plan(kernel, config, shape, strides, *flags)]  # fmt: skip
+            for kernel, grid, sizes, meta, key in planned]  # fmt: skip
 
 
 def kernel_strides(shapes, strides):
@@ -364,9 +375,10 @@ def forward_launches(query, key, value, norms, key_keep, documents, out, row_sta
     of the kernels' writes does not reliably keep apart), ``exact_blocks`` two int32 tensors of
     ``exact_block_counts(...)`` elements (not read with ``exact_only``), ``window`` the size of a causal sliding window
     (keys in (x - window, x] of the query at key position x; 0: none)."""
-    tensors = (query, key, value, norms, *_masks(norms, key_keep, documents), out, row_stats, *exact_blocks)
-    flags = (p, is_causal, window, key_keep is not None, documents is not None, euler, eps, exact_only)
-    return _launches(plap_forward_kernel, config.fwd, _layout(query, key, value, out), tensors, *flags)
+    plan = call_plan(query, key, value, out, p, is_causal, window, key_keep is not None, documents is not None, euler,
+                     eps, config, exact_only)  # fmt: skip
+    return _bound(plan.forward, (query, key, value, norms, *_masks(norms, key_keep, documents), out, row_stats,
+                                 *exact_blocks))  # fmt: skip
 
 
 def exact_block_counts(query, key, config):
@@ -385,13 +397,12 @@ def backward_launches(
     each query's own-value part of dv to ``grad_v_own``, (B, H, Nq, dv) float32, which the dk/dv kernel adds to the
     key side as it stores ``grad_v``; ``exact_blocks`` are the forward's flags (``forward_launches``). ``grad_q``,
     ``grad_k`` and ``grad_v`` have the strides of q, k and v, ``grad_out`` those of ``out`` (``in_layout_of``)."""
+    plan = call_plan(query, key, value, out, p, is_causal, window, key_keep is not None, documents is not None, euler,
+                     eps, config, exact_only)  # fmt: skip
     inputs = (query, key, value, norms, *_masks(norms, key_keep, documents), grad_out, row_stats, delta, own_dot)
-    flags = (p, is_causal, window, key_keep is not None, documents is not None, euler, eps, exact_only)
     query_blocks, key_tiles = exact_blocks
-    layout = _layout(query, key, value, out)
-    dq = (plap_dq_kernel, config.dq, layout, (*inputs, out, grad_q, grad_v_own, query_blocks))
-    dkdv = (plap_dkdv_kernel, config.dkdv, layout, (*inputs, grad_v_own, grad_k, grad_v, key_tiles))
-    return _launches(*dq, *flags, config.fwd.block_m) + _launches(*dkdv, *flags, config.fwd.block_n)
+    return (_bound(plan.dq, (*inputs, out, grad_q, grad_v_own, query_blocks))
+            + _bound(plan.dkdv, (*inputs, grad_v_own, grad_k, grad_v, key_tiles)))  # fmt: skip
 
 
 _BOUND = BoundLaunches()
@@ -436,6 +447,21 @@ def _exact_flags(query, key, config, alone):
     tiles', zeroed by its first pass and set by its exact pass; none where every kernel runs its exact pass alone."""
     counts = (0, 0) if alone else exact_block_counts(query, key, config)
     return tuple(query.new_empty(count, dtype=torch.int32) for count in counts)
+
+
+@eager_cache
+def _kernel_arguments(p, eps, formulation, dtype, head_dim, value_dim, capability, blocks, config):
+    """The fused ops' plain arguments that a call's static facts settle: p (a list, as the ops take it), eps, whether
+    the formulation is euler, and the launch configuration as ints (``_flat``): ``config``, or the one of the GPU of
+    this compute ``capability`` (the interpreter's where None), with the tiles ``blocks`` where given."""
+    euler = formulation_of(formulation, FORMULATIONS, "triton").self_pair == "euler"
+    if config is None and capability is not None:
+        config = launch_config(dtype, head_dim, value_dim, capability)
+    elif config is None:
+        config = interpreter_config(dtype, head_dim, value_dim)
+    if blocks is not None:
+        config = config.with_blocks(*blocks)
+    return list(map(float, p)), eps, euler, _flat(config)
 
 
 @eager_cache
@@ -578,14 +604,9 @@ def plap_attention_triton(
     ``config`` (a LaunchConfig) overrides the one of the GPU, and ``blocks`` = (BLOCK_M, BLOCK_N) the tile sizes of
     all three kernels (tests cross tile borders with them).
     """
-    euler = formulation_of(formulation, FORMULATIONS, "triton").self_pair == "euler"
-    if config is None and query.device.type == "cuda":
-        capability = device_capability(query.device.index)
-        config = launch_config(query.dtype, query.shape[-1], value.shape[-1], capability)
-    elif config is None:
-        config = interpreter_config(query.dtype, query.shape[-1], value.shape[-1])
-    if blocks is not None:
-        config = config.with_blocks(*blocks)
+    capability = device_capability(query.device.index) if query.device.type == "cuda" else None
+    arguments = _kernel_arguments(tuple(p), float(eps), formulation, query.dtype, query.shape[-1], value.shape[-1],
+                                  capability, blocks, config)  # fmt: skip
     key_keep = None
     if attn_mask is not None:
         batch, num_keys = query.shape[0], key.shape[2]
@@ -595,6 +616,6 @@ def plap_attention_triton(
     query, key, value = kernel_layout(query), kernel_layout(key), kernel_layout(value)
     # A window as long as the keys leaves every causal pair: no window then.
     window = sliding_window if sliding_window is not None and sliding_window < key.shape[2] else 0
-    out, *_ = _fused(query, key, value, key_keep, documents, list(map(float, p)), is_causal, window, float(eps),
-                     euler, _flat(config))  # fmt: skip
+    p, eps, euler, config = arguments
+    out, *_ = _fused(query, key, value, key_keep, documents, p, is_causal, window, eps, euler, config)
     return out

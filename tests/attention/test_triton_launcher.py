@@ -126,3 +126,30 @@ def test_every_launch_of_a_call_runs_on_its_inputs_device(monkeypatch):
     out.sum().backward()
     assert forward_launches and len(launched) > forward_launches
     assert all(launched) and entered[-1] is None
+
+
+def test_a_call_s_launches_are_planned_once_per_shape_and_layout(monkeypatch):
+    """The launches of a call's three kernels are planned once per shapes, layouts and arguments in eager calls
+    (``call_plan``): a repeated call plans nothing, and another layout of the same shapes (a model's tokens-major
+    views) or another p gets launches of its own, those a fresh plan gives."""
+    triton_module._call_plan.cache_clear()  # plans of earlier tests' calls
+    planned, plan = [], triton_module._launch_plan
+    monkeypatch.setattr(triton_module, "_launch_plan", lambda *args: planned.append(args[0]) or plan(*args))
+    recorded = []
+    monkeypatch.setattr(triton_module, "_run", lambda launch, query, value: recorded.append(launch))
+    contiguous = torch.randn(1, 2, 20, 16, device=DEVICE, requires_grad=True)
+    tokens_major = contiguous.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_()
+
+    def call(query, p=(1.5, 2.5)):
+        planned.clear(), recorded.clear()
+        triton_module.plap_attention_triton(query, query, query, p=p, is_causal=True).sum().backward()
+        return len(planned), [(launch.kernel, launch.grid, launch.args[launch.tensors :], launch.meta)
+                              for launch in recorded]  # fmt: skip
+
+    first = call(contiguous)
+    assert first[0] == 3 and len(first[1]) == 3  # forward, dq, dk/dv: the exact pass alone at this size
+    assert call(contiguous) == (0, first[1])
+    other_layout = call(tokens_major)
+    assert other_layout[0] == 3 and other_layout[1] != first[1]  # the row strides of tokens-major rows are H * d
+    assert call(tokens_major) == (0, other_layout[1])
+    assert call(contiguous, p=(1.5, 1.5))[0] == 3
