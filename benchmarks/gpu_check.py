@@ -43,7 +43,8 @@ and main-job), this script runs them within the budget and writes the record:
   vision (DeiT-tiny), lm (the paper's LM) and llama-125m (12 x 768, 8 x 1024 tokens) pairs, p-LaT against
   transformers' twins with SDPA (its default backend), a pair's models on the GPU together: the median step, the
   ratio to the twin, peak memory; then, over 3 more steps, where a step's time goes: its host time (in all, and in
-  its Triton launches) and the kernels it runs (how many, their time).
+  its Triton launches), the functions with the most host time (a profile, as the kernels rows', to compare with the
+  p = 2 twin's) and the kernels it runs (how many, their time).
 - compile: bfloat16 plap_attention compiled (fullgraph) against eager at the paper LM's shape and a causal 2k, each
   formulation: the output and the gradients of q, k and v within bfloat16's tolerance (the kernels as Inductor
   launches them, their written arguments functionalized) and the compiled forward + backward's time against eager's

@@ -17,7 +17,7 @@ from modeling_plat import paper_p_mix
 from modeling_plat.plap_dispatch import plap_attention
 
 from .attention import ATTENTION_SHAPES
-from .kernels import device_work, host_times, kernel_times
+from .kernels import device_work, host_profile, host_times, kernel_times
 from .measure import (ROOT, TOLERANCE, backend_spy, bf16_attention_inputs, error_fields, paired_ratio, peak_memory_mib,
                       relative_error, side_by_side, synchronize, timed, to_device)  # fmt: skip
 
@@ -69,7 +69,8 @@ def step_row(result, step, device, baseline=None, ratio="ratio"):
 
 def train_pair(pair, batch_size, device, warmup, repeats, log, host_repeats=HOST_REPEATS):
     """Rows of one bench_train_step pair, its models timed side by side, the last model (transformers' twin) the
-    baseline of each ratio; each model's host time and device work measured over ``host_repeats`` more steps."""
+    baseline of each ratio; each model's host time, its profile (``host_profile``) and device work measured over
+    ``host_repeats`` more steps each."""
     from bench_train_step import PAIRS, batches
 
     models = PAIRS[pair][0]("auto")
@@ -85,6 +86,7 @@ def train_pair(pair, batch_size, device, warmup, repeats, log, host_repeats=HOST
         if "error" not in row:
             try:
                 row.update(host=host_times(steps[name], device, host_repeats),
+                           host_profile=host_profile(steps[name], device, host_repeats),
                            work=device_work(steps[name], device, host_repeats))  # fmt: skip
             except Exception as error:
                 row.update(error_fields(error))

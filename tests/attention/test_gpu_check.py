@@ -356,6 +356,10 @@ def test_train_section_on_cpu():
     assert 0 < low <= plat["ratio"] <= high and softmax["ratio_range"] == (1.0, 1.0)
     # Where a step's time goes: the host's part, and (on a CPU) the operators it runs, more for p-LaT's backends.
     assert plat["host"]["call_us"] > 0 and plat["host"]["launches"] == 0  # no Triton launch on a CPU
+    for row in rows:  # each step's host profile, its own functions among the top ones
+        functions = row["host_profile"]["functions"]
+        assert functions and all(function["calls"] > 0 for function in functions)
+        assert any(function["function"].startswith("modeling_plat/") for function in functions)
     assert plat["work"]["kernels"] > softmax["work"]["kernels"] > 0 and plat["work"]["kernel_us"] > 0
     assert set(plat["backends"]) <= {"eager", "tiled"} and sum(plat["backends"].values()) >= 4  # every layer
     assert softmax["backends"] == {}  # p = 2: SDPA, no choice made
