@@ -12,6 +12,7 @@ from tiny import TEXT_SHAPES, lm
 from transformers import DataCollatorWithFlattening
 
 from modeling_plat import plap_attention
+from modeling_plat.triton_configs import INTERPRETER_CONFIG
 
 P_MIX = [1.5, 1.5, 2.5, 2.0]  # both powers and one softmax head: every path of the attention
 
@@ -188,7 +189,7 @@ def test_fused_backends_custom_ops_pass_opcheck(backend, euler):
         args = (query, key, value, None, None, [-0.25, 0.25, -0.25], True, 1e-6, euler, None)
     else:
         config = (module.launch_config(torch.float32, 8, 8, torch.cuda.get_device_capability(DEVICE)) if ON_CUDA
-                  else module.INTERPRETER_CONFIG)  # fmt: skip
+                  else INTERPRETER_CONFIG)  # fmt: skip
         args = (query, key, value, None, None, [1.5, 2.5, 1.5], True, 0, 1e-6, euler, module._flat(config))
     torch.library.opcheck(module._forward_op, args)
 
