@@ -67,13 +67,10 @@ class BoundLaunches:
         if not self.enabled or launch.plan is None or _hooks_set():
             launch.kernel[launch.grid](*launch.args, **launch.meta)
             return
-        # Tensors pass as their addresses: the launcher then neither asks them nor the driver for their pointers. The
-        # key holds each address modulo 16, which tells Triton's specialization (a multiple of 16 or not) and more.
-        # map() iterates in C: a Python loop over a launch's dozen tensors cost about a microsecond per pass here.
-        tensors = launch.args[: launch.tensors]
-        pointers = list(map(_DATA_PTR, tensors))
+        # Tensors pass as their addresses: the launcher then neither asks them nor the driver for their pointers.
+        pointers = list(map(_DATA_PTR, launch.args[: launch.tensors]))  # map() iterates in C
         device = torch.cuda.current_device()
-        key = (launch.plan, device, tuple(map(_DTYPE, tensors)), tuple(map(operator.mod, pointers, _SIXTEENS)))
+        key = launch_key(launch, pointers, device)
         bound = self.compiled.get(key)
         if bound is None:
             compiled = launch.kernel[launch.grid](*launch.args, **launch.meta)
@@ -89,6 +86,15 @@ class BoundLaunches:
         compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
                      self.current_stream(device), compiled.function, compiled.packed_metadata, None, None, None,
                      *pointers, *launch.args[launch.tensors :], *constexprs)  # fmt: skip
+
+
+def launch_key(launch, pointers, device):
+    """The key that ``BoundLaunches`` binds ``launch`` under, its tensors at addresses ``pointers`` on the CUDA device
+    ``device``: its plan, the device, and each tensor's dtype and address modulo 16 (which tells Triton's
+    specialization of a pointer, a multiple of 16 or not). map() iterates in C: a Python loop over a launch's dozen
+    tensors took about a microsecond more per launch."""
+    return (launch.plan, device, tuple(map(_DTYPE, launch.args[: launch.tensors])),
+            tuple(map(operator.mod, pointers, _SIXTEENS)))  # fmt: skip
 
 
 _RUNTIME_KNOBS = triton.knobs.runtime if triton is not None and hasattr(triton, "knobs") else None

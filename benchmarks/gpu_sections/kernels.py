@@ -133,12 +133,11 @@ def launch_costs(call, device, rounds, count):
     variants = dict(plat=lambda: original(launch, query, value),
                     triton_jit=lambda: launch.kernel[launch.grid](*launch.args, **launch.meta),
                     aten_launch=scratch.zero_, aten_empty=lambda: torch.empty(1, device=device))  # fmt: skip
-    tensors = launch.args[: launch.tensors]
-    pointers = [tensor.data_ptr() for tensor in tensors]
+    pointers = [tensor.data_ptr() for tensor in launch.args[: launch.tensors]]
     table, entry = triton_module._BOUND.compiled, None
-    if device.type == "cuda":  # the key BoundLaunches binds the launch under
-        key = (launch.plan, torch.cuda.current_device(), tuple(tensor.dtype for tensor in tensors),
-               tuple(pointer % 16 == 0 for pointer in pointers))  # fmt: skip
+    if device.type == "cuda":
+        key = importlib.import_module("modeling_plat.triton_launcher").launch_key(launch, pointers,
+                                                                                  torch.cuda.current_device())
         entry = table.get(key)
     if entry is not None:
         compiled, constexprs = entry
@@ -191,10 +190,12 @@ def without_register_caps():
         return type(config)(*(kernel._replace(max_registers=0) for kernel in config))
 
     triton_module.launch_config = uncapped
+    triton_module._kernel_arguments.cache_clear()  # the configurations calls have taken so far
     try:
         yield
     finally:
         triton_module.launch_config = capped
+        triton_module._kernel_arguments.cache_clear()
 
 
 class _NoRun:

@@ -259,6 +259,12 @@ def test_without_register_caps_clears_every_kernel_s_cap_while_inside():
     assert all(kernel.max_registers == 0 for kernel in uncapped)
     assert uncapped == type(capped)(*(kernel._replace(max_registers=0) for kernel in capped))
     assert triton_module.launch_config(torch.bfloat16, 64, 64, (9, 0)) == capped  # restored
+    # What calls take, kept per static facts, follows: uncapped inside, capped again after.
+    arguments = ((1.5, 2.5), 1e-6, "paper", torch.bfloat16, 64, 64, (9, 0), None, None)
+    flat = triton_module._kernel_arguments(*arguments)[-1]
+    with without_register_caps():
+        assert triton_module._kernel_arguments(*arguments)[-1] == triton_module._flat(uncapped)
+    assert triton_module._kernel_arguments(*arguments)[-1] == flat == triton_module._flat(capped)
 
 
 @pytest.mark.skipif(not triton_module.INTERPRETED and not torch.cuda.is_available(),
