@@ -226,9 +226,8 @@ def choose_backend(backend, query, key, value, *, p, p_trains=False, attn_mask=N
         return _choose(backend, query, key, value, p, p_trains, attn_mask, is_causal, sliding_window, document_ids,
                        formulation, platform)  # fmt: skip
     signature = (backend, platform, p, formulation, is_causal, sliding_window, query.shape, key.shape, value.shape,
-                 query.dtype, key.dtype, value.dtype, query.device, key.device, value.device,
-                 None if attn_mask is None else (attn_mask.shape, attn_mask.dtype, attn_mask.device),
-                 None if document_ids is None else (document_ids.shape, document_ids.dtype, document_ids.device))
+                 query.dtype, key.dtype, value.dtype, query.device, key.device, value.device, _facts(attn_mask),
+                 _facts(document_ids))  # fmt: skip
     chosen = _CHOICES.get(signature)
     if chosen is None:
         chosen = _choose(backend, query, key, value, p, p_trains, attn_mask, is_causal, sliding_window, document_ids,
@@ -281,8 +280,9 @@ def _memory_note(name, query, key):
 
 
 def _facts(tensor):
-    """(shape, dtype) of an optional tensor, or None: what the checks read of a mask or of document ids."""
-    return None if tensor is None else (tensor.shape, tensor.dtype)
+    """(shape, dtype, device) of an optional tensor, or None: what the checks and the choice of backend read of a mask
+    or of document ids."""
+    return None if tensor is None else (tensor.shape, tensor.dtype, tensor.device)
 
 
 @eager_cache
@@ -327,7 +327,7 @@ def _check_inputs(query_shape, key_shape, value_shape, num_p, mask, documents, e
     if formulation not in FORMULATIONS:
         raise ValueError(f"formulation must be one of {tuple(FORMULATIONS)}; got {formulation!r}")
     if mask is not None:
-        mask_shape, mask_dtype = mask
+        mask_shape, mask_dtype, _ = mask
         if mask_dtype != torch.bool:
             raise ValueError(f"attn_mask must be boolean (True = may attend); got {mask_dtype}")
         target = (batch, num_heads, num_queries, num_keys)
@@ -338,7 +338,7 @@ def _check_inputs(query_shape, key_shape, value_shape, num_p, mask, documents, e
                 f"attn_mask of shape {tuple(mask_shape)} does not broadcast to (B, H, Nq, Nk) = {target}"
             ) from None
     if documents is not None:
-        document_shape, document_dtype = documents
+        document_shape, document_dtype, _ = documents
         if document_shape != (batch, num_keys) or num_queries != num_keys:
             raise ValueError(
                 f"document_ids must be (B, N) = {(batch, num_keys)} with as many queries as keys (packed "
