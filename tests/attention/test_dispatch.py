@@ -293,4 +293,5 @@ def test_the_checks_of_a_call_raise_at_every_call():
         with pytest.raises(ValueError, match="attn_mask must be boolean"):
             dispatch.plap_attention(q, q, q, (1.5, 2.5), attn_mask=torch.ones(1, 1, 1, 8, device=DEVICE))
     expected = dispatch.plap_attention(q, q, q, (1.5, 2.5), backend="eager")
-    torch.testing.assert_close(dispatch.plap_attention(q, q, q, (1.5, 2.5)), expected)
+    # auto may take the fused kernels (a GPU's float32 matmuls: tf32x3), hence float32's tolerance of the backends
+    torch.testing.assert_close(dispatch.plap_attention(q, q, q, (1.5, 2.5)), expected, rtol=1e-4, atol=1e-5)
