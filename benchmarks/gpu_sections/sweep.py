@@ -5,16 +5,14 @@ import contextlib
 import functools
 import importlib
 import itertools
-import multiprocessing
-import time
 import traceback
-from concurrent.futures import ProcessPoolExecutor
 
 import torch
 
 from modeling_plat.plap_dispatch import choose_backend, plap_attention
 
 from .measure import TOLERANCE, relative_error
+from .spawned import outcomes
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 HEAD_DIMS = (16, 48, 64, 80, 128)
@@ -233,50 +231,23 @@ def judge(case, result):
 
 
 def run_sweep(cases, runner, log=print, workers=0, seconds=None):
-    """Run every case with runner(case) -> result dict, an exception becoming an "error" result; with workers, in
-    that many spawned processes (runner must pickle), so that a crashed kernel cannot take this process along. Cases
-    whose result is not in within ``seconds`` (None: no limit) are "skipped" for the time budget, and not waited for."""
-    deadline = None if seconds is None else time.monotonic() + seconds
-    with contextlib.ExitStack() as stack:
-        if workers:
-            pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
-            stack.callback(_stop, pool, wait=deadline is None)
-            futures = [pool.submit(runner, case) for case in cases]
-            calls = [functools.partial(_result_by, future, deadline) for future in futures]
+    """Run every case with runner(case) -> result dict, with ``workers`` in that many spawned processes (``outcomes``):
+    an exception becomes an "error" result, a case whose result is not in within ``seconds`` (None: no limit) is
+    "skipped" for the time budget, and not waited for."""
+    results = []
+    for case, outcome in outcomes(cases, runner, workers, seconds):
+        if isinstance(outcome, TimeoutError):
+            result = dict(status="skipped", reason="the time budget ran out before its result")
+        elif isinstance(outcome, Exception):  # a crash is a failed check, reported with the rest
+            result = dict(status="error", error=f"{type(outcome).__name__}: {outcome}",
+                          trace="".join(traceback.format_exception(outcome)))  # fmt: skip
         else:
-            calls = [functools.partial(_run_by, runner, case, deadline) for case in cases]
-        results = []
-        for case, call in zip(cases, calls):
-            try:
-                result = call()
-            except TimeoutError:
-                result = dict(status="skipped", reason="the time budget ran out before its result")
-            except Exception as error:  # a crash is a failed check, reported with the rest
-                result = dict(status="error", error=f"{type(error).__name__}: {error}", trace=traceback.format_exc())
-            result.update(case=case_name(case), failures=judge(case, result))
-            log(f"{result['case']:<60} {result['status']:<8} {result.get('backend', '')} "
-                f"{'; '.join(result['failures'])}")  # fmt: skip
-            results.append(result)
+            result = outcome
+        result.update(case=case_name(case), failures=judge(case, result))
+        log(f"{result['case']:<60} {result['status']:<8} {result.get('backend', '')} "
+            f"{'; '.join(result['failures'])}")  # fmt: skip
+        results.append(result)
     return results
-
-
-def _stop(pool, wait):
-    """Shut the pool down; without waiting, its running cases are killed too, or the interpreter's exit would wait for
-    them (minutes of a lease, for a compilation that no one reads)."""
-    processes = list(pool._processes.values()) if not wait else []
-    pool.shutdown(wait=wait, cancel_futures=True)
-    for process in processes:
-        process.kill()
-
-
-def _result_by(future, deadline):
-    return future.result(timeout=None if deadline is None else max(deadline - time.monotonic(), 0))
-
-
-def _run_by(runner, case, deadline):
-    if deadline is not None and time.monotonic() > deadline:
-        raise TimeoutError
-    return runner(case)
 
 
 def sweep_section(device, log, workers=0, cases=None, seconds=None):
