@@ -1,4 +1,4 @@
-"""The acceptance check of plat on a CUDA GPU, one run of under 9 minutes that writes one JSON record.
+"""The acceptance check of plat on a CUDA GPU, one run within a time budget that writes one JSON record.
 
 Correctness, speed against SDPA and transformers' models, torch.compile, decoding and the README's main job:
 
@@ -50,8 +50,9 @@ and main-job), this script runs them within the budget and writes the record:
   launches them, their written arguments functionalized) and the compiled forward + backward's time against eager's
   (``timing``, each p-LaT kernel's too: Inductor compiles the kernels without their register caps); the plat-ptb-tiny
   and plat-llama-tiny presets' training steps under torch.compile(fullgraph=True) against eager (the first call's
-  time, then steps and ratio_to_eager, graphs, graph breaks), the first also with mode="reduce-overhead" (CUDA
-  graphs), and greedy generation with model.forward compiled (fullgraph): graphs, tokens against eager.
+  time, which precompilation shortens to what its caches leave, then steps and ratio_to_eager, graphs, graph
+  breaks), the first also with mode="reduce-overhead" (CUDA graphs), and greedy generation with model.forward
+  compiled (fullgraph): graphs, tokens against eager.
 - fallback: where the kernels cannot run (a (B, H, N, N) mask), the eager and tiled backends' forward + backward
   time and peak memory at 512, 2k and 8k tokens: what auto should take on CUDA.
 - decode: greedy decoding with the KV cache in bfloat16, benchmarks/bench_decode.py's GPT-2 and Llama shapes
@@ -59,16 +60,23 @@ and main-job), this script runs them within the budget and writes the record:
 - main-job: the README's main job, ``run_clm.py plat-ptb-tiny.yaml --bf16 true`` in a temporary folder: its
   wall time and final metrics (all_results.json).
 
+Precompilation comes first: every row of the attention, envelope, kernels, train and compile sections asked for runs
+once, untimed, side by side in --workers spawned processes (gpu_sections/precompile.py). A fresh machine's run is
+mostly compilation (Triton's builds of the fused kernels, Inductor's of the compiled graphs), which one process does
+one at a time; the processes leave what they compile in the caches on disk, where the sections' own first calls find
+it. The record keeps how long precompilation took and each row there.
+
 What a row compares runs side by side: after the warm-up, rounds of one call (or step) of each, in an order rotated
 every round, so that what drifts during a run (the GPU's clocks, the host's other work) reaches each alike; a time
 is the median of its rounds, a ratio the median of each round's ratio, with its range (the least and the greatest of
 them: ratio_range, fwd_range, fwd_bwd_range). Every timed p-LaT row counts the backends ``auto`` chose, by name
 (under torch.compile: the choices made while tracing, once per graph), so that a fall back from the fused kernels
 shows. The targets are judged at the end, one PASS / FAIL / NOT MEASURED line each (gpu_sections/targets.py).
-Sections run in order while the time used plus the section's expected time (EXPECTED_S, estimated for an H100) fits
---budget-s; one that would not is skipped with the reason. The record is rewritten after every section, so that a
-run stopped from outside keeps what was done, with the GPU, driver, CUDA, torch, Triton and transformers versions
-and the folder modeling_plat was imported from (a baseline's on PYTHONPATH is measured the same way). Exit status: 1
+Sections run in order while the time used plus the section's expected time (EXPECTED_S, measured on H200s where a
+record has the section, or PRECOMPILED_S where precompilation ran every row of the section) fits --budget-s; one that
+would not is skipped with the reason. The record is rewritten after every section, so that a run stopped from outside
+keeps what was done, with the GPU, driver, CUDA, torch, Triton and transformers versions and the folder modeling_plat
+was imported from (a baseline's on PYTHONPATH is measured the same way). Exit status: 1
 if anything failed (a check, a target, an error), 2 without a CUDA GPU.
 """
 
@@ -86,10 +94,13 @@ from pathlib import Path
 import torch
 
 import modeling_plat
-from gpu_sections.attention import attention_section, envelope_section, fallback_section
-from gpu_sections.kernels import kernels_section
+from gpu_sections.attention import (ATTENTION_SHAPES, ENVELOPE_SHAPES, attention_row, attention_section, envelope_row,
+                                    envelope_section, fallback_section, row_jobs)  # fmt: skip
+from gpu_sections.kernels import kernels_jobs, kernels_section
 from gpu_sections.measure import ROOT, error_fields
-from gpu_sections.models import compile_section, decode_section, main_job_section, train_section
+from gpu_sections.models import (compile_jobs, compile_section, decode_section, main_job_section, train_jobs,
+                                 train_section)  # fmt: skip
+from gpu_sections.precompile import precompile
 from gpu_sections.sweep import sweep_section
 from gpu_sections.targets import collect_failures, judge_targets
 
@@ -100,6 +111,12 @@ SECTIONS = ("sweep", "attention", "envelope", "kernels", "train", "compile", "fa
 # first section (its kernels built) and under a second after attention.
 EXPECTED_S = {"sweep": 150, "attention": 110, "envelope": 110, "kernels": 45, "train": 70, "compile": 300, "fallback": 40,
               "decode": 40, "main-job": 90}
+# Seconds expected of the sections whose every row ran in precompilation (``precompile``), their compilations then in
+# the caches: the kernels section took 0.4 s after the attention section had built its kernels (5eb1d43's H200 record);
+# the others are estimates (each section's time less what its compiles took), for the next record to replace.
+PRECOMPILED_S = {"attention": 20, "envelope": 25, "kernels": 5, "train": 45, "compile": 120}
+# Precompilation's share of the budget at most: side by side, its rows take about as long as the longest one.
+PRECOMPILE_SHARE = 0.3
 
 
 class Progress:
@@ -137,6 +154,18 @@ def run_sections(runs, budget_s, log, save, expected_s=EXPECTED_S):
                 torch.cuda.empty_cache()
         save(results)
     return results
+
+
+def precompiled(selected, jobs, workers, seconds, log):
+    """``precompile`` of the ``selected`` sections that have ``jobs`` ({section: jobs()}), and the sections whose every
+    row it ran ("sections")."""
+    by_section = {name: jobs[name]() for name in selected if name in jobs}
+    log(f"precompilation: {sum(map(len, by_section.values()))} rows of {', '.join(by_section)} in {workers} processes")
+    result = precompile([job for section_jobs in by_section.values() for job in section_jobs], workers, seconds)
+    result["sections"] = [name for name, section_jobs in by_section.items()
+                          if all(isinstance(result["jobs"][label], float) for label, _ in section_jobs)]  # fmt: skip
+    log(f"precompilation: {result['seconds']:.0f} s, every row of {result['sections']}; " + json.dumps(result["jobs"]))
+    return result
 
 
 def environment(device):
@@ -188,7 +217,7 @@ def main(argv=None):
     parser.add_argument("--budget-s", type=float, default=500,
                         help="skip a section when the time used plus its expected time would pass this")
     parser.add_argument("--workers", type=int, default=min(16, os.cpu_count()),
-                        help="processes of the correctness sweep (0: in this process)")
+                        help="processes of the correctness sweep (0: in this process) and of precompilation (0: none)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=10)
     args = parser.parse_args(argv)
@@ -212,8 +241,21 @@ def main(argv=None):
         "decode": lambda: decode_section(device, log),
         "main-job": lambda: main_job_section(device, log, timeout_s=args.budget_s - log.elapsed()),
     }
-    sections = run_sections([(name, runs[name]) for name in dict.fromkeys(args.sections)], args.budget_s, log,
-                            lambda done: write_report(path, dict(report, sections=done)))  # fmt: skip
+    jobs = {
+        "attention": lambda: row_jobs("attention", attention_row, ATTENTION_SHAPES, device),
+        "envelope": lambda: row_jobs("envelope", envelope_row, ENVELOPE_SHAPES, device),
+        "kernels": lambda: kernels_jobs(device),
+        "train": lambda: train_jobs(device),
+        "compile": lambda: compile_jobs(device),
+    }
+    selected = list(dict.fromkeys(args.sections))
+    expected = dict(EXPECTED_S)
+    if args.workers and set(selected) & set(jobs):
+        report["precompile"] = precompiled(selected, jobs, args.workers, args.budget_s * PRECOMPILE_SHARE, log)
+        expected.update({name: PRECOMPILED_S[name] for name in report["precompile"]["sections"]})
+        write_report(path, report)
+    sections = run_sections([(name, runs[name]) for name in selected], args.budget_s, log,
+                            lambda done: write_report(path, dict(report, sections=done)), expected)  # fmt: skip
     report.update(sections=sections, targets=judge_targets(sections, args.sections))
     report["failures"] = collect_failures(sections, report["targets"])
     report["seconds"] = log.elapsed()

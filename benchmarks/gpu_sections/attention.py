@@ -179,6 +179,12 @@ def envelope_section(device, log, shapes=ENVELOPE_SHAPES, warmup=3, repeats=10):
     return rows
 
 
+def row_jobs(section, row, shapes, device):
+    """A section's rows made by ``row(name, shape, device, warmup, repeats)`` (``attention_row``, ``envelope_row``),
+    each run once untimed: precompilation's jobs (``precompile``)."""
+    return [(f"{section} {name}", functools.partial(row, name, shape, device, 0, 1)) for name, shape in shapes.items()]
+
+
 # Inputs the fused kernels refuse (a (B, H, N, N) mask, p that trains): eager against tiled on CUDA, bfloat16.
 FALLBACK_SHAPES = {"512": (4, 8, 512, 64), "2k": (2, 8, 2048, 64), "8k": (1, 8, 8192, 64)}
 

@@ -4,6 +4,7 @@ time of the call, in all, in its Triton launches and by function."""
 import collections
 import contextlib
 import cProfile
+import functools
 import importlib
 import platform
 import pstats
@@ -17,7 +18,7 @@ from modeling_plat import paper_p_mix
 from modeling_plat.plap_dispatch import plap_attention
 
 from .attention import ATTENTION_SHAPES, KERNEL_SPEED_SHAPES
-from .measure import ROOT, backend_spy, bf16_attention_inputs, error_fields, synchronize
+from .measure import ROOT, backend_spy, bf16_attention_inputs, error_fields, no_log, synchronize
 
 # Functions a kernels row's host profile keeps, by own time.
 HOST_PROFILE_TOP = 30
@@ -250,46 +251,64 @@ def _function_label(file, line, name):
     return f"{Path(*parts).as_posix()}:{line}({name})"
 
 
+def kernel_runs(cases=KERNEL_CASES, uncapped=UNCAPPED_CASES):
+    """(name, case, without register caps) of each row of the kernels section: ``cases``, then the ``uncapped`` ones
+    again without the first passes' register caps (``<name>-uncapped``)."""
+    capped = [(name, case, False) for name, case in cases.items()]
+    return capped + [(f"{name}-uncapped", cases[name], True) for name in uncapped]
+
+
+def kernels_row(name, case, no_caps, device, log, repeats, launch_rounds=0, launch_count=0):
+    """A case's row: its kernels, its host time and host profile; with ``launch_rounds``, also the host cost of one of
+    its launches by the ways of launching it (``launch_costs``)."""
+    (batch, heads, length, head_dim, causal), p = case
+    q, k, v, grad_out = bf16_attention_inputs(batch, heads, length, head_dim, device)
+    p_heads = tuple(paper_p_mix(heads)) if p is None else (p,) * heads
+    row = dict(name=name, batch=batch, heads=heads, length=length, head_dim=head_dim, causal=causal,
+               p=sorted(set(p_heads)))  # fmt: skip
+
+    def call():
+        torch.autograd.grad(plap_attention(q, k, v, p_heads, is_causal=causal), (q, k, v), grad_out)
+
+    if no_caps:
+        row["register_caps"] = False
+    try:
+        # Host times before the profiler session: measured after it (6d6cd30's record), a paper-LM call's host
+        # work read 1.73 ms where the attention section's whole synchronised call took 1.33.
+        with backend_spy() as chosen, (without_register_caps() if no_caps else contextlib.nullcontext()):
+            row["host"] = host_times(call, device, repeats)
+            row["host_profile"] = host_profile(call, device, repeats)
+            row["kernels"] = kernel_times(call, device, repeats)
+        row["backends"] = dict(chosen)
+        if launch_rounds and row["host"]["launches"]:
+            row["launch_costs"] = launch_costs(call, device, launch_rounds, launch_count)
+            log(f"kernels {name}: host us per launch, " + ", ".join(f"{variant} {us:.1f}" for variant, us
+                                                                    in row["launch_costs"].items()))  # fmt: skip
+        row["total_us"] = sum(kernel["us"] for kernel in row["kernels"].values())
+        top = sorted(row["kernels"].items(), key=lambda item: -item[1]["us"])[:4]
+        log(f"kernels {name}: {row['total_us']:.0f} us, " + ", ".join(f"{kernel} {times['us']:.0f}"
+                                                                      for kernel, times in top)
+            + f"; host {row['host']['call_us']:.0f} us, {row['host']['launch_us']:.0f} in "
+              f"{row['host']['launches']} Triton launches; most own host time (profiled): "
+            + ", ".join(f"{function['function']} {function['own_us']:.0f} us"
+                        for function in row["host_profile"]["functions"][:3]))  # fmt: skip
+    except Exception as error:
+        row.update(error_fields(error))
+    return row
+
+
 def kernels_section(device, log, cases=KERNEL_CASES, repeats=5, launch_rounds=7, launch_count=50,
                     uncapped=UNCAPPED_CASES):  # fmt: skip
-    """A row per case: its kernels, its host time and host profile; the first case's also the host cost of one of its
-    launches by the ways of launching it (``launch_costs``); then the ``uncapped`` cases again without the register
-    caps (``<name>-uncapped``)."""
-    runs = [(name, case, False) for name, case in cases.items()]
-    runs += [(f"{name}-uncapped", cases[name], True) for name in uncapped]
+    """A row per case (``kernels_row``), the first's also with the host cost of one launch by each way of launching
+    it; then the ``uncapped`` cases again without the register caps (``kernel_runs``)."""
     rows = []
-    for index, (name, ((batch, heads, length, head_dim, causal), p), no_caps) in enumerate(runs):
-        q, k, v, grad_out = bf16_attention_inputs(batch, heads, length, head_dim, device)
-        p_heads = tuple(paper_p_mix(heads)) if p is None else (p,) * heads
-        row = dict(name=name, batch=batch, heads=heads, length=length, head_dim=head_dim, causal=causal,
-                   p=sorted(set(p_heads)))  # fmt: skip
-
-        def call():
-            torch.autograd.grad(plap_attention(q, k, v, p_heads, is_causal=causal), (q, k, v), grad_out)
-
-        if no_caps:
-            row["register_caps"] = False
-        try:
-            # Host times before the profiler session: measured after it (6d6cd30's record), a paper-LM call's host
-            # work read 1.73 ms where the attention section's whole synchronised call took 1.33.
-            with backend_spy() as chosen, (without_register_caps() if no_caps else contextlib.nullcontext()):
-                row["host"] = host_times(call, device, repeats)
-                row["host_profile"] = host_profile(call, device, repeats)
-                row["kernels"] = kernel_times(call, device, repeats)
-            row["backends"] = dict(chosen)
-            if index == 0 and row["host"]["launches"]:
-                row["launch_costs"] = launch_costs(call, device, launch_rounds, launch_count)
-                log(f"kernels {name}: host us per launch, " + ", ".join(f"{variant} {us:.1f}" for variant, us
-                                                                        in row["launch_costs"].items()))  # fmt: skip
-            row["total_us"] = sum(kernel["us"] for kernel in row["kernels"].values())
-            top = sorted(row["kernels"].items(), key=lambda item: -item[1]["us"])[:4]
-            log(f"kernels {name}: {row['total_us']:.0f} us, " + ", ".join(f"{kernel} {times['us']:.0f}"
-                                                                          for kernel, times in top)
-                + f"; host {row['host']['call_us']:.0f} us, {row['host']['launch_us']:.0f} in "
-                  f"{row['host']['launches']} Triton launches; most own host time (profiled): "
-                + ", ".join(f"{function['function']} {function['own_us']:.0f} us"
-                            for function in row["host_profile"]["functions"][:3]))  # fmt: skip
-        except Exception as error:
-            row.update(error_fields(error))
-        rows.append(row)
+    for index, (name, case, no_caps) in enumerate(kernel_runs(cases, uncapped)):
+        costs = (launch_rounds, launch_count) if index == 0 else (0, 0)
+        rows.append(kernels_row(name, case, no_caps, device, log, repeats, *costs))
     return rows
+
+
+def kernels_jobs(device, cases=KERNEL_CASES, uncapped=UNCAPPED_CASES):
+    """The kernels section's rows, each run once untimed: precompilation's jobs (``precompile``)."""
+    return [(f"kernels {name}", functools.partial(kernels_row, name, case, no_caps, device, no_log, 1))
+            for name, case, no_caps in kernel_runs(cases, uncapped)]  # fmt: skip

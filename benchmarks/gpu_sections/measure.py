@@ -16,6 +16,10 @@ ROOT = Path(__file__).resolve().parents[2]  # the repository
 TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2, "float16": 2e-2}
 
 
+def no_log(message):
+    """A section's log that prints nothing: precompilation's (``precompile``)."""
+
+
 def error_fields(error):
     """The fields of a row that raised ``error``: its message (also as the row's failure) and the traceback."""
     message = f"{type(error).__name__}: {error}"

@@ -18,8 +18,8 @@ from modeling_plat.plap_dispatch import plap_attention
 
 from .attention import ATTENTION_SHAPES
 from .kernels import device_work, host_profile, host_times, kernel_times
-from .measure import (ROOT, TOLERANCE, backend_spy, bf16_attention_inputs, error_fields, paired_ratio, peak_memory_mib,
-                      relative_error, side_by_side, synchronize, timed, to_device)  # fmt: skip
+from .measure import (ROOT, TOLERANCE, backend_spy, bf16_attention_inputs, error_fields, no_log, paired_ratio,
+                      peak_memory_mib, relative_error, side_by_side, synchronize, timed, to_device)  # fmt: skip
 
 TRAIN_BATCHES = {"vision": 64, "lm": 16, "llama-125m": 8}
 COMPILE_PRESETS = ("plat-ptb-tiny", "plat-llama-tiny")
@@ -111,6 +111,12 @@ def train_section(device, log, batches=TRAIN_BATCHES, warmup=3, repeats=10, host
     return rows
 
 
+def train_jobs(device, batches=TRAIN_BATCHES):
+    """The train section's pairs, each run once untimed: precompilation's jobs (``precompile``)."""
+    return [(f"train {pair}", functools.partial(train_pair, pair, batch_size, device, 0, 1, no_log, 1))
+            for pair, batch_size in batches.items()]  # fmt: skip
+
+
 def dynamo_counts():
     from torch._dynamo.utils import counters
 
@@ -151,6 +157,8 @@ def compiled_step_row(preset, compiled, eager, inputs, device, warmup, repeats):
 
 def cuda_graphs_row(preset, eager, inputs, device, warmup, repeats):
     row = dict(name=f"{preset}/train-step-cuda-graphs", kind="train-step-cuda-graphs", preset=preset)
+    if device.type != "cuda":
+        return dict(row, skipped="CUDA graphs need a CUDA device")
     fresh_dynamo()
     graphed = torch.compile(eager, fullgraph=True, mode="reduce-overhead")
     step = training_step(graphed, torch.optim.AdamW(eager.parameters(), lr=1e-4), inputs, device, cuda_graphs=True)
@@ -229,43 +237,63 @@ def compiled_attention_row(name, shape, formulation, device, compiler, warmup, r
     return row
 
 
-def compile_section(device, log, presets=COMPILE_PRESETS, cuda_graphs_preset=CUDA_GRAPHS_PRESET, compiler="inductor",
-                    batch=32, warmup=3, repeats=10, new_tokens=12, attention_shapes=COMPILED_ATTENTION_SHAPES):  # fmt: skip
+def preset_row(preset, kind, device, compiler, batch, warmup, repeats, new_tokens):
+    """One of a preset's rows of the compile section, on models of its own (``compile_pair``): its training step
+    compiled against eager ("train-step"), with CUDA graphs ("train-step-cuda-graphs") or greedy generation with its
+    forward compiled ("generate")."""
     from bench_train_step import batches, compile_pair
 
+    compiled, eager = compile_pair(preset, backend=compiler)("auto").values()
+    if kind == "generate":
+        return compiled_generation_row(preset, eager, device, compiler, new_tokens)
     inputs = to_device(batches("compile", batch), device)
-    rows = []
+    if kind == "train-step":
+        return compiled_step_row(preset, compiled, eager, inputs, device, warmup, repeats)
+    return cuda_graphs_row(preset, eager, inputs, device, warmup, repeats)
+
+
+def compile_runs(device, presets=COMPILE_PRESETS, cuda_graphs_preset=CUDA_GRAPHS_PRESET, compiler="inductor", batch=32,
+                 warmup=3, repeats=10, new_tokens=12, attention_shapes=COMPILED_ATTENTION_SHAPES):  # fmt: skip
+    """(fields, run) of each row of the compile section, run() -> the row, ``fields`` the name and kind that a row
+    which raised keeps: plap_attention compiled at each of ``attention_shapes`` in each formulation, then each preset's
+    training step and generation, and the ``cuda_graphs_preset``'s training step under CUDA graphs."""
+    runs = []
     for (name, shape), formulation in itertools.product(attention_shapes.items(), ("paper", "euler")):
-        try:
-            rows.append(compiled_attention_row(name, shape, formulation, device, compiler, warmup, repeats))
-        except Exception as error:
-            rows.append(dict(name=f"{name}/attention-{formulation}", kind="attention", **error_fields(error)))
-        log(f"compile {rows[-1]['name']}: " + json.dumps({key: rows[-1].get(key) for key in (
-            "errors", "backends", "graph_breaks", "timing", "error")}))
+        runs.append((dict(name=f"{name}/attention-{formulation}", kind="attention"),
+                     functools.partial(compiled_attention_row, name, shape, formulation, device, compiler, warmup,
+                                       repeats)))  # fmt: skip
     for preset in presets:
+        kinds = ("train-step", "train-step-cuda-graphs") if preset == cuda_graphs_preset else ("train-step",)
+        for kind in (*kinds, "generate"):
+            runs.append((dict(name=f"{preset}/{kind}", kind=kind, preset=preset),
+                         functools.partial(preset_row, preset, kind, device, compiler, batch, warmup, repeats,
+                                           new_tokens)))  # fmt: skip
+    return runs
+
+
+# What the compile section's log shows of a row, where it has them.
+COMPILE_LOGGED = ("errors", "first_call_s", "step_ms", "ratio_to_eager", "ratio_range", "graphs", "graph_breaks",
+                  "tokens_equal_eager", "backends", "timing", "skipped", "error")  # fmt: skip
+
+
+def compile_section(device, log, **options):
+    """The rows of ``compile_runs(device, **options)``, one after the other."""
+    rows = []
+    for fields, run in compile_runs(device, **options):
         try:
-            compiled, eager = compile_pair(preset, backend=compiler)("auto").values()
+            rows.append(run())
         except Exception as error:
-            rows.append(dict(name=preset, preset=preset, **error_fields(error)))
-            continue
-        runs = [functools.partial(compiled_step_row, preset, compiled, eager, inputs, device, warmup, repeats)]
-        if preset == cuda_graphs_preset:
-            runs.append(functools.partial(cuda_graphs_row, preset, eager, inputs, device, warmup, repeats))
-        runs.append(functools.partial(compiled_generation_row, preset, eager, device, compiler, new_tokens))
-        for run in runs:
-            if run.func is cuda_graphs_row and device.type != "cuda":
-                rows.append(dict(name=f"{preset}/train-step-cuda-graphs", kind="train-step-cuda-graphs",
-                                 preset=preset, skipped="CUDA graphs need a CUDA device"))  # fmt: skip
-                continue
-            try:
-                rows.append(run())
-            except Exception as error:
-                rows.append(dict(name=f"{preset}/{run.func.__name__}", preset=preset, **error_fields(error)))
-            log(f"compile {rows[-1]['name']}: " + json.dumps({key: rows[-1].get(key) for key in (
-                "first_call_s", "step_ms", "ratio_to_eager", "ratio_range", "graphs", "graph_breaks",
-                "tokens_equal_eager", "error")}))
+            rows.append(dict(fields, **error_fields(error)))
+        log(f"compile {rows[-1]['name']}: " + json.dumps({key: rows[-1][key] for key in COMPILE_LOGGED
+                                                          if key in rows[-1]}))  # fmt: skip
     fresh_dynamo()
     return rows
+
+
+def compile_jobs(device, **options):
+    """The compile section's rows (``compile_runs``), each run once untimed: precompilation's jobs (``precompile``)."""
+    runs = compile_runs(device, **dict(options, warmup=0, repeats=1))
+    return [(f"compile {fields['name']}", run) for fields, run in runs]
 
 
 def decode_section(device, log, shapes=("gpt2", "llama"), batch_sizes=(1, 8), new_tokens=100, repeats=3,

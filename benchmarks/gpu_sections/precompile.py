@@ -1,0 +1,41 @@
+"""Precompilation: the rows of the sections about to run, each once and untimed, side by side in spawned processes.
+
+A check on a fresh machine spends most of its time compiling. Triton builds each specialization of the fused kernels
+at its first launch: the kernels section took 95 s as the first section of an H200 run, and 0.4 s after the attention
+section had built the same kernels. Inductor compiles each graph of the compile section: 30-37 s for the first call of
+a training step. One process compiles one thing at a time. Precompilation runs the sections' rows in several processes
+at once, so that what they compile lands in Triton's and Inductor's caches on disk, where the sections' own first calls
+find it (on a CPU, a compiled training step's first call took 21 s, then 4.7 s in another process once the first had
+compiled it). The sections then run as before, one process timing on the GPU.
+
+A row that fails here fails again in its section, which reports it: precompilation records only how long each row
+took, or why it did not finish.
+"""
+
+import time
+
+from .spawned import outcomes
+
+
+def precompile(jobs, workers, seconds=None):
+    """Run each of ``jobs`` ((label, run) pairs, run() a section's row, untimed, picklable) in ``workers`` spawned
+    processes within ``seconds`` (None: no limit): {"seconds": precompilation's, "jobs": {label: the seconds its row
+    took, or why it did not finish}}."""
+    start = time.monotonic()
+    done = {}
+    for (label, _), outcome in outcomes(jobs, _run_job, workers, seconds):
+        if isinstance(outcome, TimeoutError):
+            done[label] = "skipped: precompilation's time ran out"
+        elif isinstance(outcome, Exception):
+            done[label] = f"{type(outcome).__name__}: {outcome}"[:300]
+        else:
+            done[label] = outcome
+    return dict(seconds=time.monotonic() - start, jobs=done)
+
+
+def _run_job(job):
+    """The seconds that a job's row took (in a worker)."""
+    _, run = job
+    start = time.perf_counter()
+    run()
+    return time.perf_counter() - start
