@@ -83,6 +83,7 @@ if anything failed (a check, a target, an error), 2 without a CUDA GPU.
 import argparse
 import datetime
 import json
+import multiprocessing  # before torch, as in precompilation's processes (gpu_sections/precompile.py)
 import os
 import platform
 import re
@@ -216,7 +217,7 @@ def main(argv=None):
                         help="the sections to run, in this order")
     parser.add_argument("--budget-s", type=float, default=500,
                         help="skip a section when the time used plus its expected time would pass this")
-    parser.add_argument("--workers", type=int, default=min(16, os.cpu_count()),
+    parser.add_argument("--workers", type=int, default=min(16, multiprocessing.cpu_count()),
                         help="processes of the correctness sweep (0: in this process) and of precompilation (0: none)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=10)

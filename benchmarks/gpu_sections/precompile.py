@@ -8,6 +8,11 @@ at once, so that what they compile lands in Triton's and Inductor's caches on di
 find it (on a CPU, a compiled training step's first call took 21 s, then 4.7 s in another process once the first had
 compiled it). The sections then run as before, one process timing on the GPU.
 
+Inductor finds a compiled graph by a key that pickles it, in which torch's memory formats are named after the first
+module in ``sys.modules`` that holds torch: in a spawned process, its main script as ``__mp_main__``, which comes first.
+gpu_check.py imports multiprocessing, which gives its own main script that name, before torch, so that its keys are its
+processes' (else only the kernels that a graph compiles are found, and the graph is compiled again).
+
 A row that fails here fails again in its section, which reports it: precompilation records only how long each row
 took, or why it did not finish.
 """

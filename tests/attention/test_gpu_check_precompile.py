@@ -2,9 +2,14 @@
 side by side in spawned processes, whose compilations the sections' own runs then find in the caches on disk."""
 
 import functools
+import json
 import multiprocessing
+import os
 import pickle
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +21,7 @@ from gpu_sections.models import compile_jobs, train_jobs
 from gpu_sections.precompile import precompile
 
 CPU = torch.device("cpu")
+ROOT = Path(__file__).resolve().parents[2]
 TINY = (1, 2, 24, 8, True)
 
 
@@ -80,21 +86,44 @@ def test_the_sections_a_run_precompiles_and_what_it_then_expects_of_them():
     assert all(gpu_check.PRECOMPILED_S[name] < gpu_check.EXPECTED_S[name] for name in gpu_check.PRECOMPILED_S)
 
 
-@pytest.mark.slow
-def test_a_row_precompiled_elsewhere_leaves_its_section_no_kernel_to_compile(tmp_path, monkeypatch):
-    """What precompilation is for: a compile-section row run in a spawned process first compiles its kernels into the
-    cache on disk, and the same row in this process then compiles none of its own (Inductor's C++ kernels on a CPU;
-    on a GPU, Triton's builds of the fused kernels and Inductor's, cached the same way)."""
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    (label, run), _ = compile_jobs(CPU, presets=(), attention_shapes={"precompiled": (2, 2, 40, 16, True)},
-                                   compiler="inductor")  # fmt: skip
+# A check's main script as gpu_check.py starts (multiprocessing imported before torch): it precompiles one row of the
+# compile section, runs the row itself, and prints the files the row added to Inductor's cache and its cache misses.
+CHECK_SCRIPT = """
+import json, multiprocessing, sys
+from pathlib import Path
+import torch
+from torch._dynamo.utils import counters
+from gpu_sections.models import compile_jobs
+from gpu_sections.precompile import precompile
 
-    def kernels():  # the compiled kernels (the graphs' own entries are keyed per process)
-        return {path for path in tmp_path.rglob("*") if path.is_file() and "fxgraph" not in path.parts}
-
-    result = precompile([(label, run)], workers=1)
-    assert isinstance(result["jobs"][label], float), result
-    compiled = kernels()
-    assert compiled
+def main(cache):
+    (label, run), _ = compile_jobs(torch.device("cpu"), presets=(), compiler="inductor",
+                                   attention_shapes={"precompiled": (2, 2, 40, 16, True)})
+    done = precompile([(label, run)], workers=1)
+    before = {str(path) for path in Path(cache).rglob("*") if path.is_file()}
     row = run()
-    assert not row["failures"] and kernels() == compiled
+    added = {str(path) for path in Path(cache).rglob("*") if path.is_file()} - before
+    print(json.dumps(dict(precompiled=done["jobs"][label], failures=row["failures"], added=sorted(added),
+                          misses=counters["inductor"]["fxgraph_cache_miss"])))
+
+if __name__ == "__main__":
+    main(sys.argv[1])
+"""
+
+
+@pytest.mark.slow
+def test_a_row_precompiled_elsewhere_leaves_its_section_nothing_to_compile(tmp_path):
+    """What precompilation is for: a compile-section row run in a spawned process first compiles its graphs and their
+    kernels into the caches on disk; the same row in a main script that starts as gpu_check.py then finds every graph
+    there and compiles nothing (Inductor on a CPU; on a GPU also Triton's builds of the fused kernels, whose keys hold
+    their source and specialization only). With multiprocessing imported after torch, the graphs miss."""
+    script, cache = tmp_path / "check.py", tmp_path / "cache"
+    script.write_text(CHECK_SCRIPT)
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(cache),
+               PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "benchmarks"), os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, str(script), str(cache)], env=env, capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert isinstance(result["precompiled"], float) and not result["failures"], result
+    assert result["misses"] == 0 and result["added"] == [], result  # nothing compiled, not even a graph's entry
