@@ -107,9 +107,9 @@ from gpu_sections.targets import collect_failures, judge_targets
 
 SECTIONS = ("sweep", "attention", "envelope", "kernels", "train", "compile", "fallback", "decode", "main-job")
 # Seconds each section is expected to take on an H100 or H200 (kernel builds and Inductor compiles dominate), which the
-# budget guard adds to the time used before starting it; the sweep stops waiting for its cases when the budget runs
-# out. As measured on H200s on 2026-11-30: attention 107 s, train 69, compile 297, envelope 107, kernels 95 as the
-# first section (its kernels built) and under a second after attention.
+# budget guard adds to the time used before starting it; the sweep stops waiting for its cases when its time runs out
+# (``sweep_seconds``). As measured on H200s on 2026-11-30: attention 107 s, train 69, compile 297, envelope 107,
+# kernels 95 as the first section (its kernels built) and under a second after attention.
 EXPECTED_S = {"sweep": 150, "attention": 110, "envelope": 110, "kernels": 45, "train": 70, "compile": 300, "fallback": 40,
               "decode": 40, "main-job": 90}
 # Seconds expected of the sections whose every row ran in precompilation (``precompile``), their compilations then in
@@ -157,12 +157,21 @@ def run_sections(runs, budget_s, log, save, expected_s=EXPECTED_S):
     return results
 
 
-def precompiled(selected, jobs, workers, seconds, log):
-    """``precompile`` of the ``selected`` sections that have ``jobs`` ({section: jobs()}), and the sections whose every
-    row it ran ("sections")."""
+def sweep_seconds(budget_s, used, selected, expected_s):
+    """The sweep's time: what the budget leaves once the sections after it in ``selected`` have their expected seconds,
+    and at least its own (a sweep takes all the time it is given: it has more cases than a budget holds)."""
+    after = selected[selected.index("sweep") + 1 :]
+    return max(expected_s["sweep"], budget_s - used - sum(expected_s[name] for name in after))
+
+
+def precompiled(selected, jobs, workers, seconds, log, expected_s=EXPECTED_S):
+    """``precompile`` of the ``selected`` sections that have ``jobs`` ({section: jobs()}), the rows of the sections
+    whose rows are expected to take longest (``expected_s`` per row) started first, so that the longest compilations
+    run side by side from the start; and the sections whose every row it ran ("sections")."""
     by_section = {name: jobs[name]() for name in selected if name in jobs}
-    log(f"precompilation: {sum(map(len, by_section.values()))} rows of {', '.join(by_section)} in {workers} processes")
-    result = precompile([job for section_jobs in by_section.values() for job in section_jobs], workers, seconds)
+    order = sorted(by_section, key=lambda name: -expected_s[name] / max(len(by_section[name]), 1))
+    log(f"precompilation: {sum(map(len, by_section.values()))} rows of {', '.join(order)} in {workers} processes")
+    result = precompile([job for name in order for job in by_section[name]], workers, seconds)
     result["sections"] = [name for name, section_jobs in by_section.items()
                           if all(isinstance(result["jobs"][label], float) for label, _ in section_jobs)]  # fmt: skip
     log(f"precompilation: {result['seconds']:.0f} s, every row of {result['sections']}; " + json.dumps(result["jobs"]))
@@ -232,7 +241,8 @@ def main(argv=None):
     path = record_path(args.out, report["environment"]["gpu"], report["environment"]["date"][:10])
     timing = dict(warmup=args.warmup, repeats=args.repeats)
     runs = {
-        "sweep": lambda: sweep_section(device, log, workers=args.workers, seconds=args.budget_s - log.elapsed()),
+        "sweep": lambda: sweep_section(device, log, workers=args.workers,
+                                       seconds=sweep_seconds(args.budget_s, log.elapsed(), selected, expected)),
         "attention": lambda: attention_section(device, log, **timing),
         "envelope": lambda: envelope_section(device, log, **timing),
         "fallback": lambda: fallback_section(device, log),

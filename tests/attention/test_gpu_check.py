@@ -480,6 +480,13 @@ def section(*rows):
     return dict(status="ok", rows=list(rows))
 
 
+def test_the_sweep_leaves_the_sections_after_it_their_expected_time():
+    expected = dict(sweep=150, attention=20, train=45)
+    assert gpu_check.sweep_seconds(500, 100, ["sweep", "attention", "train"], expected) == 500 - 100 - 20 - 45
+    assert gpu_check.sweep_seconds(300, 100, ["sweep", "attention", "train"], expected) == 150  # its own at least
+    assert gpu_check.sweep_seconds(500, 100, ["attention", "train", "sweep"], expected) == 400  # last: what is left
+
+
 def test_targets_and_failures():
     fused = {"triton": 8}
     sections = dict(

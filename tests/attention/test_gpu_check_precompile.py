@@ -74,13 +74,15 @@ def test_each_section_s_jobs_are_its_rows_and_pickle():
 
 
 def test_the_sections_a_run_precompiles_and_what_it_then_expects_of_them():
-    """Precompilation runs the jobs of the requested sections that have some; a section whose every row finished there
-    is expected to take its PRECOMPILED_S, one with a row that did not its EXPECTED_S."""
+    """Precompilation runs the jobs of the requested sections that have some, those of the longest rows first, and
+    names the sections whose every row finished there: those the budget guard then expects to take their PRECOMPILED_S
+    (less than their EXPECTED_S)."""
     jobs = dict(attention=lambda: [("attention a", functools.partial(time.sleep, 0))],
                 kernels=lambda: [("kernels a", functools.partial(time.sleep, 0)),
                                  ("kernels b", functools.partial(int, "x"))])  # fmt: skip
-    result = gpu_check.precompiled(["sweep", "attention", "kernels"], jobs, 2, 120, quiet)
-    assert set(result["jobs"]) == {"attention a", "kernels a", "kernels b"}
+    result = gpu_check.precompiled(["sweep", "attention", "kernels"], jobs, 2, 120, quiet,
+                                   expected_s=dict(attention=10, kernels=30))  # fmt: skip
+    assert list(result["jobs"]) == ["kernels a", "kernels b", "attention a"]  # the longest rows first
     assert result["sections"] == ["attention"]
     assert set(gpu_check.PRECOMPILED_S) <= set(gpu_check.EXPECTED_S)
     assert all(gpu_check.PRECOMPILED_S[name] < gpu_check.EXPECTED_S[name] for name in gpu_check.PRECOMPILED_S)
