@@ -19,6 +19,8 @@ took, or why it did not finish.
 
 import time
 
+import torch._inductor.config
+
 from .spawned import outcomes
 
 
@@ -39,7 +41,10 @@ def precompile(jobs, workers, seconds=None):
 
 
 def _run_job(job):
-    """The seconds that a job's row took (in a worker)."""
+    """The seconds that a job's row took (in a worker), compiling in the worker itself: with a pool of compile processes
+    of Inductor's own in each, as many as the cores, side by side workers would start workers x cores processes that
+    each import torch (tens of gigabytes of host memory on a 16-core host)."""
+    torch._inductor.config.compile_threads = 1
     _, run = job
     start = time.perf_counter()
     run()

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch._inductor.config
 
 import gpu_check
 from gpu_sections.attention import attention_row, row_jobs
@@ -36,6 +37,17 @@ def test_precompile_runs_each_row_in_a_spawned_process_and_records_what_became_o
     assert isinstance(result["jobs"]["fine"], float) and 0 <= result["jobs"]["fine"] <= result["seconds"]
     assert result["jobs"]["raises"] == "ValueError: invalid literal for int() with base 10: 'x'"
     assert not multiprocessing.active_children()  # the workers are done and gone
+
+
+def compiles_in_its_own_process():
+    assert torch._inductor.config.compile_threads == 1
+
+
+def test_precompile_s_processes_compile_in_themselves():
+    """Inductor's pool of compile processes, one per core, in each of precompilation's processes would put workers x
+    cores processes on the host."""
+    result = precompile([("one thread", compiles_in_its_own_process)], workers=1, seconds=120)
+    assert isinstance(result["jobs"]["one thread"], float), result
 
 
 def test_precompile_kills_what_still_runs_when_its_time_runs_out():
