@@ -40,11 +40,15 @@ def precompile(jobs, workers, seconds=None):
     return dict(seconds=time.monotonic() - start, jobs=done)
 
 
+# Inductor's compile processes in each worker at most: the compile section's 9 rows side by side then start 36 at most,
+# where a pool per core in each would start 144 on a 16-core host, each importing torch (tens of gigabytes of memory).
+COMPILE_THREADS = 4
+
+
 def _run_job(job):
-    """The seconds that a job's row took (in a worker), compiling in the worker itself: with a pool of compile processes
-    of Inductor's own in each, as many as the cores, side by side workers would start workers x cores processes that
-    each import torch (tens of gigabytes of host memory on a 16-core host)."""
-    torch._inductor.config.compile_threads = 1
+    """The seconds that a job's row took (in a worker), with COMPILE_THREADS at most (which Inductor's cache keys
+    ignore)."""
+    torch._inductor.config.compile_threads = min(COMPILE_THREADS, torch._inductor.config.compile_threads or 1)
     _, run = job
     start = time.perf_counter()
     run()
