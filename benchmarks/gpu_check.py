@@ -171,10 +171,14 @@ def precompiled(selected, jobs, workers, seconds, log, expected_s=EXPECTED_S):
     by_section = {name: jobs[name]() for name in selected if name in jobs}
     order = sorted(by_section, key=lambda name: -expected_s[name] / max(len(by_section[name]), 1))
     log(f"precompilation: {sum(map(len, by_section.values()))} rows of {', '.join(order)} in {workers} processes")
-    result = precompile([job for name in order for job in by_section[name]], workers, seconds)
+    try:
+        result = precompile([job for name in order for job in by_section[name]], workers, seconds)
+    except Exception as error:  # the sections then compile what they need themselves
+        result = dict(jobs={}, **error_fields(error))
     result["sections"] = [name for name, section_jobs in by_section.items()
-                          if all(isinstance(result["jobs"][label], float) for label, _ in section_jobs)]  # fmt: skip
-    log(f"precompilation: {result['seconds']:.0f} s, every row of {result['sections']}; " + json.dumps(result["jobs"]))
+                          if all(isinstance(result["jobs"].get(label), float) for label, _ in section_jobs)]  # fmt: skip
+    log(f"precompilation: {result.get('seconds', 0):.0f} s, every row of {result['sections']}; "
+        + json.dumps(result.get("error") or result["jobs"]))
     return result
 
 

@@ -97,6 +97,8 @@ def test_the_sections_a_run_precompiles_and_what_it_then_expects_of_them():
                                    expected_s=dict(attention=10, kernels=30))  # fmt: skip
     assert list(result["jobs"]) == ["kernels a", "kernels b", "attention a"]  # the longest rows first
     assert result["sections"] == ["attention"]
+    failed = gpu_check.precompiled(["attention"], jobs, -1, 120, quiet)  # precompilation itself fails: recorded
+    assert failed["sections"] == [] and failed["jobs"] == {} and "max_workers" in failed["error"], failed
     assert set(gpu_check.PRECOMPILED_S) <= set(gpu_check.EXPECTED_S)
     assert all(gpu_check.PRECOMPILED_S[name] < gpu_check.EXPECTED_S[name] for name in gpu_check.PRECOMPILED_S)
 
