@@ -5,8 +5,7 @@ at its first launch: the kernels section took 95 s as the first section of an H2
 section had built the same kernels. Inductor compiles each graph of the compile section: 30-37 s for the first call of
 a training step. One process compiles one thing at a time. Precompilation runs the sections' rows in several processes
 at once, so that what they compile lands in Triton's and Inductor's caches on disk, where the sections' own first calls
-find it (on a CPU, a compiled training step's first call took 21 s, then 4.7 s in another process once the first had
-compiled it). The sections then run as before, one process timing on the GPU.
+find it. The sections then run as before, one process timing on the GPU.
 
 Inductor finds a compiled graph by a key that pickles it, in which torch's memory formats are named after the first
 module in ``sys.modules`` that holds torch: in a spawned process, its main script as ``__mp_main__``, which comes first.
