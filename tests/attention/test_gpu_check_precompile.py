@@ -144,3 +144,38 @@ def test_a_row_precompiled_elsewhere_leaves_its_section_nothing_to_compile(tmp_p
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert isinstance(result["precompiled"], float) and not result["failures"], result
     assert result["misses"] == 0 and result["added"] == [], result  # nothing compiled, not even a graph's entry
+
+
+def test_main_precompiles_the_requested_sections_then_runs_them(monkeypatch, tmp_path):
+    """gpu_check.main's wiring, its GPU and sections stood in for: the rows of the requested sections precompiled, the
+    sections run in order, each expected to take its PRECOMPILED_S where every row of it finished there, the sweep given
+    what the sections after it leave, and the record holding precompilation."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(gpu_check, "environment", lambda device: dict(gpu="Fake GPU", date="2026-11-30T00:00:00"))
+    ran, expected = [], {}
+    for name in ("sweep", "attention", "kernels", "train"):
+        monkeypatch.setattr(gpu_check, f"{name}_section",
+                            lambda device, log, name=name, **options: ran.append((name, options)) or [dict(name=name)])
+    monkeypatch.setattr(gpu_check, "row_jobs", lambda section, row, shapes, device: [(f"{section} a", int)])
+    monkeypatch.setattr(gpu_check, "kernels_jobs", lambda device: [("kernels a", int)])
+    monkeypatch.setattr(gpu_check, "train_jobs", lambda device: [("train a", functools.partial(int, "x"))])
+    run_sections = gpu_check.run_sections
+
+    def recording(runs, budget_s, log, save, expected_s):
+        expected.update(expected_s)
+        return run_sections(runs, budget_s, log, save, expected_s)
+
+    monkeypatch.setattr(gpu_check, "run_sections", recording)
+    out = tmp_path / "record.json"
+    gpu_check.main(["--sections", "sweep", "attention", "kernels", "train", "--workers", "1", "--budget-s", "1000",
+                    "--out", str(out)])  # fmt: skip
+    record = json.loads(out.read_text())
+    assert list(record["precompile"]["jobs"]) == ["attention a", "train a", "kernels a"]  # the longest rows first
+    assert record["precompile"]["sections"] == ["attention", "kernels"]  # train's row failed there
+    assert [expected[name] for name in ("attention", "kernels", "train")] == [
+        gpu_check.PRECOMPILED_S["attention"], gpu_check.PRECOMPILED_S["kernels"], gpu_check.EXPECTED_S["train"]]
+    assert [name for name, _ in ran] == ["sweep", "attention", "kernels", "train"]
+    sweep_seconds = ran[0][1]["seconds"]
+    assert 1000 - sum(expected[name] for name in ("attention", "kernels", "train")) - 60 < sweep_seconds
+    assert sweep_seconds <= 1000 - sum(expected[name] for name in ("attention", "kernels", "train"))
+    assert all(record["sections"][name]["status"] == "ok" for name in ("sweep", "attention", "kernels", "train"))
