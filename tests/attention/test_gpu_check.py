@@ -16,7 +16,7 @@ from gpu_sections.attention import (attention_section, attention_timings, envelo
                                     timed_fields)  # fmt: skip
 from gpu_sections.kernels import (HOST_PROFILE_TOP, host_profile, host_times, kernel_times, kernels_section,
                                  launch_costs, without_register_caps)  # fmt: skip
-from gpu_sections.measure import backend_spy, paired_ratio, relative_error, side_by_side
+from gpu_sections.measure import backend_spy, no_log, paired_ratio, relative_error, side_by_side
 from gpu_sections.models import (COMPILE_PRESETS, compile_section, decode_section, main_job_arguments, main_job_section,
                                  train_section)  # fmt: skip
 from gpu_sections.sweep import (REPEATS, SQUARE, attend, case_name, each_document_alone, judge, make_case_inputs,
@@ -28,10 +28,6 @@ from modeling_plat import plap_attention_triton as triton_module
 from plat_train.presets import resolve_config_name
 
 CPU = torch.device("cpu")
-
-
-def quiet(line):
-    pass
 
 
 def test_sweep_covers_every_combination():
@@ -93,7 +89,7 @@ def test_sweep_records_failures_and_crashes():
             raise RuntimeError("the Triton backend failed in _plap_fwd_kernel")
         return ok_result(dk=0.5) if case is cases[2] else ok_result()
 
-    results = run_sweep(cases, runner, log=quiet)
+    results = run_sweep(cases, runner, log=no_log)
     assert [r["failures"] for r in results] == [
         [], ["RuntimeError: the Triton backend failed in _plap_fwd_kernel"], ["dk error 5.00e-01 > 1.0e-04"]
     ]
@@ -164,7 +160,7 @@ def test_tf32_case_and_skips_on_cpu(monkeypatch):
 def test_sweep_in_a_spawned_worker():
     """Results come back in the cases' order; a case that raises in the worker is an error with its traceback."""
     cases = [small_case(), small_case(dtype="no-such-dtype")]
-    results = sweep_section(CPU, quiet, workers=1, cases=cases)
+    results = sweep_section(CPU, no_log, workers=1, cases=cases)
     assert results[0]["status"] == "ok" and results[0]["failures"] == []
     assert results[1]["status"] == "error" and results[1]["failures"] == ["KeyError: 'no-such-dtype'"]
     assert "make_case_inputs" in results[1]["trace"]  # the worker's own traceback
@@ -182,7 +178,7 @@ def test_backend_spy_counts_the_dispatchers_choices_and_restores_it():
 
 
 def test_attention_section_on_cpu():
-    rows = attention_section(CPU, quiet, shapes={"tiny": (1, 2, 24, 8, True)}, warmup=0, repeats=1)
+    rows = attention_section(CPU, no_log, shapes={"tiny": (1, 2, 24, 8, True)}, warmup=0, repeats=1)
     (row,) = rows
     assert row["plat"]["backends"] == {"eager": 2}  # forward and forward + backward, one p != 2 head group
     assert row["plat"]["fwd_ms"] > 0 and row["plat"]["fwd_bwd_peak_mib"] is None  # peak memory: CUDA only
@@ -220,7 +216,7 @@ def test_kernel_times_by_name_and_launch_order():
 
 def test_kernels_section_on_cpu():
     cases = {"tiny": ((1, 2, 24, 8, True), None), "tiny-p1.5": ((1, 2, 24, 8, True), 1.5)}
-    mixed, single, uncapped = kernels_section(CPU, quiet, cases=cases, repeats=2, uncapped=("tiny",))
+    mixed, single, uncapped = kernels_section(CPU, no_log, cases=cases, repeats=2, uncapped=("tiny",))
     assert mixed["p"] == [1.5, 2.5] and single["p"] == [1.5]
     assert uncapped["name"] == "tiny-uncapped" and uncapped["register_caps"] is False and "register_caps" not in mixed
     assert "failures" not in uncapped and uncapped["kernels"]
@@ -354,7 +350,7 @@ def test_paired_ratio_is_the_median_of_each_rounds_ratio():
 
 
 def test_train_section_on_cpu():
-    rows = train_section(CPU, quiet, batches={"ptb": 2}, warmup=0, repeats=2, host_repeats=1)
+    rows = train_section(CPU, no_log, batches={"ptb": 2}, warmup=0, repeats=2, host_repeats=1)
     assert [row["name"] for row in rows] == ["plat-ptb-tiny", "softmax-ptb-tiny"]
     plat, softmax = rows
     assert plat["step_ms"] > 0 and plat["baseline"] == "softmax-ptb-tiny" and softmax["ratio"] == 1.0
@@ -376,7 +372,7 @@ def test_compile_section_on_cpu(tmp_path):
     preset = tmp_path / "config.json"
     config = json.loads(Path(resolve_config_name("plat-ptb-tiny")).read_text())
     preset.write_text(json.dumps(dict(config, num_hidden_layers=1, hidden_size=32, intermediate_size=64)))
-    rows = compile_section(CPU, quiet, presets=(str(preset),), cuda_graphs_preset=str(preset),
+    rows = compile_section(CPU, no_log, presets=(str(preset),), cuda_graphs_preset=str(preset),
                            compiler="aot_eager", batch=2, warmup=1, repeats=1, new_tokens=3,
                            attention_shapes={"tiny": (2, 2, 24, 16, True)})  # fmt: skip
     paper, euler, step, graphs, generate = rows
@@ -400,7 +396,7 @@ def test_compile_section_on_cpu(tmp_path):
 
 
 def test_decode_section_on_cpu():
-    rows = decode_section(CPU, quiet, shapes=("gpt2",), batch_sizes=(1,), new_tokens=3, repeats=1,
+    rows = decode_section(CPU, no_log, shapes=("gpt2",), batch_sizes=(1,), new_tokens=3, repeats=1,
                           dtype=torch.float32)  # fmt: skip
     assert [row["model"] for row in rows] == ["plat-gpt2", "softmax-gpt2", "transformers-sdpa"]
     assert all(row["tokens_per_s"] > 0 and "ratio_to_transformers" in row for row in rows)
@@ -421,7 +417,7 @@ out = pathlib.Path(sys.argv[sys.argv.index("--output_dir") + 1])
 def test_main_job_section_records_metrics_or_failures(tmp_path, body, timeout_s, failures):
     script = tmp_path / "job.py"
     script.write_text(FAKE_JOB.format(body=body))
-    (row,) = main_job_section(CPU, quiet, timeout_s=timeout_s, script=script)
+    (row,) = main_job_section(CPU, no_log, timeout_s=timeout_s, script=script)
     assert row.get("failures") == failures and row["wall_s"] > 0
     assert " plat-ptb-tiny.yaml --output_dir " in row["command"]
     if failures is None:
@@ -548,7 +544,7 @@ def test_without_gpu_exits_with_a_message(tmp_path, capsys):
 def test_envelope_section_on_cpu():
     """Each pattern reaches p-LaT and SDPA alike: a window and packed rows, their ratios recorded."""
     shapes = {"window": (1, 2, 64, 16, dict(sliding_window=16)), "packed": (1, 2, 64, 16, dict(documents=(30, 34)))}
-    rows = envelope_section(CPU, quiet, shapes=shapes, warmup=0, repeats=1)
+    rows = envelope_section(CPU, no_log, shapes=shapes, warmup=0, repeats=1)
     assert [row["name"] for row in rows] == ["window", "packed"]
     for row in rows:
         assert "error" not in row and row["plat"]["fwd_bwd_ms"] > 0 and row["ratio_to_sdpa"]["fwd_bwd"] > 0
@@ -557,7 +553,7 @@ def test_envelope_section_on_cpu():
 
 
 def test_fallback_section_on_cpu():
-    rows = fallback_section(CPU, quiet, shapes={"tiny": (1, 2, 48, 16)}, warmup=0, repeats=1)
+    rows = fallback_section(CPU, no_log, shapes={"tiny": (1, 2, 48, 16)}, warmup=0, repeats=1)
     assert rows[0]["faster"] in ("eager", "tiled")
     assert rows[0]["eager"]["fwd_bwd_ms"] > 0 and rows[0]["tiled"]["fwd_bwd_ms"] > 0
     assert rows[0]["eager"]["backends"] == {"eager": 2} and rows[0]["tiled"]["backends"] == {"tiled": 2}
@@ -572,7 +568,7 @@ def test_sweep_workers_stop_at_its_time_budget():
     exit either): the rest of the run keeps its time."""
     cases = [case for case in sweep_cases() if case["kind"] == "backend"][:2]
     start = time.monotonic()
-    results = run_sweep(cases, sleep_a_minute, quiet, workers=2, seconds=5)
+    results = run_sweep(cases, sleep_a_minute, no_log, workers=2, seconds=5)
     assert [r["status"] for r in results] == ["skipped", "skipped"]
     while multiprocessing.active_children() and time.monotonic() - start < 30:
         time.sleep(0.1)
@@ -589,6 +585,6 @@ def test_sweep_stops_at_its_time_budget():
         return ok_result()
 
     cases = [case for case in sweep_cases() if case["kind"] == "backend"][:4]
-    results = run_sweep(cases, slow, quiet, seconds=0.3)
+    results = run_sweep(cases, slow, no_log, seconds=0.3)
     assert [r["status"] for r in results] == ["ok", "ok", "skipped", "skipped"] and len(ran) == 2
     assert all(not r["failures"] for r in results)

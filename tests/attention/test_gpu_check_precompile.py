@@ -18,16 +18,13 @@ import torch._inductor.config
 import gpu_check
 from gpu_sections.attention import attention_row, row_jobs
 from gpu_sections.kernels import kernels_jobs
+from gpu_sections.measure import no_log
 from gpu_sections.models import compile_jobs, train_jobs
 from gpu_sections.precompile import COMPILE_THREADS, precompile
 
 CPU = torch.device("cpu")
 ROOT = Path(__file__).resolve().parents[2]
 TINY = (1, 2, 24, 8, True)
-
-
-def quiet(line):
-    pass
 
 
 def test_precompile_runs_each_row_in_a_spawned_process_and_records_what_became_of_it():
@@ -93,11 +90,11 @@ def test_the_sections_a_run_precompiles_and_what_it_then_expects_of_them():
     jobs = dict(attention=lambda: [("attention a", functools.partial(time.sleep, 0))],
                 kernels=lambda: [("kernels a", functools.partial(time.sleep, 0)),
                                  ("kernels b", functools.partial(int, "x"))])  # fmt: skip
-    result = gpu_check.precompiled(["sweep", "attention", "kernels"], jobs, 2, 120, quiet,
+    result = gpu_check.precompiled(["sweep", "attention", "kernels"], jobs, 2, 120, no_log,
                                    expected_s=dict(attention=10, kernels=30))  # fmt: skip
     assert list(result["jobs"]) == ["kernels a", "kernels b", "attention a"]  # the longest rows first
     assert result["sections"] == ["attention"]
-    failed = gpu_check.precompiled(["attention"], jobs, -1, 120, quiet)  # precompilation itself fails: recorded
+    failed = gpu_check.precompiled(["attention"], jobs, -1, 120, no_log)  # precompilation itself fails: recorded
     assert failed["sections"] == [] and failed["jobs"] == {} and "max_workers" in failed["error"], failed
     assert set(gpu_check.PRECOMPILED_S) <= set(gpu_check.EXPECTED_S)
     assert all(gpu_check.PRECOMPILED_S[name] < gpu_check.EXPECTED_S[name] for name in gpu_check.PRECOMPILED_S)
