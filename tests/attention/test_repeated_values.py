@@ -240,6 +240,52 @@ def test_triton_backward_passes_split_blocks_by_the_forward_flags():
 
 
 @pytest.mark.skipif(TRITON_MISSING, reason="triton is not installed (pip install triton)")
+@pytest.mark.parametrize("forward, backward", [(32, 16), (16, 32)], ids=["forward-wider", "backward-wider"])
+def test_triton_backward_blocks_follow_the_forward_flags_at_the_forward_tiles(forward, backward):
+    """The GPUs' tables give each kernel its own tiles (on sm_90 at head size 128 the forward's key tiles are 32 keys,
+    dK/dV's blocks 64). With one forward query block and one forward key tile flagged, the exact passes alone write
+    the gradients of exactly the dQ blocks holding a flagged query block's queries and of the dK/dV blocks holding a
+    flagged key tile's keys; the first passes alone write the others. Gradients start as NaN."""
+    shape, p = (1, 2, 70, 70, 16, 16), [1.5, 2.5]
+    query, key, value = (t.detach() for t in make_inputs(*shape, torch.float32)[0])
+    config = triton_configs.INTERPRETER_CONFIG
+    if ON_CUDA:
+        config = triton_module.launch_config(query.dtype, 16, 16, torch.cuda.get_device_capability(DEVICE))
+    config = triton_configs.LaunchConfig(fwd=config.fwd._replace(block_m=forward, block_n=forward),
+                                         dkdv=config.dkdv._replace(block_m=16, block_n=backward),
+                                         dq=config.dq._replace(block_m=backward, block_n=16))  # fmt: skip
+    out, lse, norms, *_ = triton_module._fused_forward(query, key, value, None, None, p, True, 0, 1e-6, False,
+                                                       triton_module._flat(config))  # fmt: skip
+    grad_out = torch.randn_like(out)
+    counts = triton_module.exact_block_counts(query, key, config)
+    flagged_block, slabs = 1, shape[0] * shape[1]  # the forward's query block and key tile 1 of every (batch, head)
+    flags = [torch.tensor([int(block % (count // slabs) == flagged_block) for block in range(count)],
+                          dtype=torch.int32, device=DEVICE) for count in counts]  # fmt: skip
+    expected = _rows_of_blocks_touching(shape[2], backward, forward, flagged_block)
+    for exact in (False, True):
+        grads = [torch.full_like(t, float("nan")) for t in (query, key, value)]
+        delta = torch.empty_like(lse[0])
+        grad_v_own = torch.full(out.shape, float("nan"), device=DEVICE)
+        for launch in triton_module.backward_launches(query, key, value, norms, None, None, grad_out, out, lse, delta,
+                                                      delta, *grads, grad_v_own, flags, p, True, 1e-6, False,
+                                                      config):  # fmt: skip
+            if bool(launch.meta["PASS"]) == exact:
+                triton_module._run(launch, query, value)
+        for grad in grads[:2]:  # dQ's rows are queries, dK's keys; dV has a part of each
+            written = torch.isfinite(grad).all(-1)
+            assert torch.isfinite(grad[written]).all() and torch.isnan(grad[~written]).all()
+            assert written.cpu().equal((expected if exact else ~expected).expand_as(written)), (exact, written)
+
+
+def _rows_of_blocks_touching(length, size, forward, flagged_block):
+    """Which of ``length`` rows lie in a block of ``size`` that holds any row of the forward's block ``flagged_block``
+    (of ``forward`` rows)."""
+    rows = torch.arange(length)
+    first, last = flagged_block * forward, min((flagged_block + 1) * forward, length) - 1
+    return (rows // size >= first // size) & (rows // size <= last // size)
+
+
+@pytest.mark.skipif(TRITON_MISSING, reason="triton is not installed (pip install triton)")
 @pytest.mark.parametrize("formulation", ["paper", "euler"])
 @pytest.mark.parametrize("mask", [None, "padding"])
 @pytest.mark.parametrize("p", [(1.1, 1.5), (1.5, 2.5)])
