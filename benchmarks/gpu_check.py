@@ -37,8 +37,11 @@ and main-job), this script runs them within the budget and writes the record:
   the Triton launches (the part a synchronised call's GPU waits for before its first kernel), and a profile of that
   host time (cProfile: the functions with the most own time, allocations and launchers included); at the paper LM's
   shape also one launch's host time by each way of launching it (the backend, its Python alone, Triton's compiled
-  launcher, its C function, Triton's own ``kernel[grid]`` launch) beside an ATen launch and allocation; then 4k and
-  16k again without the first passes' register caps, as Inductor compiles the kernels (``-uncapped`` rows).
+  launcher, its C function, Triton's own ``kernel[grid]`` launch) beside an ATen launch and allocation; and at the
+  envelope's head size 256 (2, 8, 4096, 256). Then launch configurations measured beside the adopted ones
+  (``CONFIG_VARIANTS``): 4k and 16k without the first passes' register caps, as Inductor compiles the kernels
+  (``-uncapped`` rows), and head size 256 with larger tiles (``d256-4k-wide``). Each row on a GPU names the tiles
+  it ran (``config``).
 - train: optimizer steps (forward, backward, AdamW) under bf16 autocast of benchmarks/bench_train_step.py's
   vision (DeiT-tiny), lm (the paper's LM) and llama-125m (12 x 768, 8 x 1024 tokens) pairs, p-LaT against
   transformers' twins with SDPA (its default backend), a pair's models on the GPU together: the median step, the

@@ -17,7 +17,7 @@ import torch
 from modeling_plat import paper_p_mix
 from modeling_plat.plap_dispatch import plap_attention
 
-from .attention import ATTENTION_SHAPES, KERNEL_SPEED_SHAPES
+from .attention import ATTENTION_SHAPES, ENVELOPE_SHAPES, KERNEL_SPEED_SHAPES
 from .measure import ROOT, backend_spy, bf16_attention_inputs, error_fields, no_log, synchronize
 
 # Functions a kernels row's host profile keeps, by own time.
@@ -26,10 +26,29 @@ HOST_PROFILE_TOP = 30
 KERNEL_CASES = {
     **{name: (ATTENTION_SHAPES[name], None) for name in ("paper-lm", *KERNEL_SPEED_SHAPES)},
     "4k-p1.5": (ATTENTION_SHAPES["4k"], 1.5),
+    "d256-4k": ((*ENVELOPE_SHAPES["d256-4k"][:4], True), None),  # the envelope's causal rows
 }
-# Cases measured again with the first passes' register caps (``KernelConfig.max_registers``) off, as Inductor launches
-# the kernels: compiled at 2k on an H200, dK/dV ran 10% faster uncapped (benchmarks/results/README.md).
-UNCAPPED_CASES = ("4k", "16k")
+
+
+def uncapped(config):
+    """The configuration without the first passes' register caps (``KernelConfig.max_registers``), as Inductor launches
+    the kernels."""
+    return type(config)(*(kernel._replace(max_registers=0) for kernel in config))
+
+
+def wide_256(config):
+    """Head size 256 with larger tiles whose first passes spill nothing inside their loops on sm_90
+    (tools/kernels/README.md, "Larger tiles at head size 256"): the forward's query blocks of 32 rather than 16, which
+    load each key tile for twice as many scores, and dK/dV's query tiles of 64 rather than 32 (a third fewer
+    instructions per score; 144 KB of shared memory)."""
+    return config._replace(fwd=config.fwd._replace(block_m=32), dkdv=config.dkdv._replace(block_m=64))
+
+
+# Launch configurations measured again beside the adopted ones, rows named ``<case>-<variant>``: variant -> (the cases,
+# how it changes their LaunchConfig). Compiled at 2k on an H200, dK/dV ran 10% faster uncapped
+# (benchmarks/results/README.md); head size 256 ran at 6.4x SDPA's forward + backward there, its 16-row blocks loading
+# 64 bytes per score.
+CONFIG_VARIANTS = {"uncapped": (("4k", "16k"), uncapped), "wide": (("d256-4k",), wide_256)}
 
 
 def device_events(call, device, repeats):
@@ -181,21 +200,21 @@ def _checked_c_launcher(launcher):
 
 
 @contextlib.contextmanager
-def without_register_caps():
-    """The Triton backend's launch configurations with no register cap (``max_registers`` 0), while inside."""
+def changed_launch_configs(change):
+    """The Triton backend's launch configurations as ``change(config)`` makes them, while inside."""
     triton_module = importlib.import_module("modeling_plat.plap_attention_triton")
-    capped = triton_module.launch_config
+    adopted = triton_module.launch_config
 
-    def uncapped(*args):
-        config = capped(*args)
-        return type(config)(*(kernel._replace(max_registers=0) for kernel in config))
+    def changed(*args):
+        config = adopted(*args)
+        return None if config is None else change(config)
 
-    triton_module.launch_config = uncapped
+    triton_module.launch_config = changed
     triton_module._kernel_arguments.cache_clear()  # the configurations calls have taken so far
     try:
         yield
     finally:
-        triton_module.launch_config = capped
+        triton_module.launch_config = adopted
         triton_module._kernel_arguments.cache_clear()
 
 
@@ -251,16 +270,28 @@ def _function_label(file, line, name):
     return f"{Path(*parts).as_posix()}:{line}({name})"
 
 
-def kernel_runs(cases=KERNEL_CASES, uncapped=UNCAPPED_CASES):
-    """(name, case, without register caps) of each row of the kernels section: ``cases``, then the ``uncapped`` ones
-    again without the first passes' register caps (``<name>-uncapped``)."""
-    capped = [(name, case, False) for name, case in cases.items()]
-    return capped + [(f"{name}-uncapped", cases[name], True) for name in uncapped]
+def kernel_runs(cases=KERNEL_CASES, variants=CONFIG_VARIANTS):
+    """(name, case, variant) of each row of the kernels section: ``cases`` (variant None), then each of ``variants``'
+    cases again with its configurations (``<case>-<variant>``)."""
+    adopted = [(name, case, None) for name, case in cases.items()]
+    return adopted + [(f"{name}-{variant}", cases[name], variant) for variant, (names, _) in variants.items()
+                      for name in names]  # fmt: skip
 
 
-def kernels_row(name, case, no_caps, device, log, repeats, launch_rounds=0, launch_count=0):
-    """A case's row: its kernels, its host time and host profile; with ``launch_rounds``, also the host cost of one of
-    its launches by the ways of launching it (``launch_costs``)."""
+def launch_config_fields(head_dim, device):
+    """{kernel: its KernelConfig's fields} that bfloat16 inputs of this head size launch with on the GPU ``device``;
+    None on a CPU, where the interpreter's tiles run."""
+    if device.type != "cuda":
+        return None
+    triton_module = importlib.import_module("modeling_plat.plap_attention_triton")
+    config = triton_module.launch_config(torch.bfloat16, head_dim, head_dim, torch.cuda.get_device_capability(device))
+    return None if config is None else {kernel: fields._asdict() for kernel, fields in config._asdict().items()}
+
+
+def kernels_row(name, case, variant, device, log, repeats, launch_rounds=0, launch_count=0, variants=CONFIG_VARIANTS):
+    """A case's row, with the configurations of ``variant`` (a name in ``variants``) where given: its kernels, its
+    host time and host profile; with ``launch_rounds``, also the host cost of one of its launches by the ways of
+    launching it (``launch_costs``)."""
     (batch, heads, length, head_dim, causal), p = case
     q, k, v, grad_out = bf16_attention_inputs(batch, heads, length, head_dim, device)
     p_heads = tuple(paper_p_mix(heads)) if p is None else (p,) * heads
@@ -270,19 +301,21 @@ def kernels_row(name, case, no_caps, device, log, repeats, launch_rounds=0, laun
     def call():
         torch.autograd.grad(plap_attention(q, k, v, p_heads, is_causal=causal), (q, k, v), grad_out)
 
-    if no_caps:
-        row["register_caps"] = False
+    if variant is not None:
+        row["variant"] = variant
     try:
         # Host times before the profiler session: measured after it (6d6cd30's record), a paper-LM call's host
         # work read 1.73 ms where the attention section's whole synchronised call took 1.33.
-        with backend_spy() as chosen, (without_register_caps() if no_caps else contextlib.nullcontext()):
+        configs = changed_launch_configs(variants[variant][1]) if variant is not None else contextlib.nullcontext()
+        with backend_spy() as chosen, configs:
+            row["config"] = launch_config_fields(head_dim, device)
             row["host"] = host_times(call, device, repeats)
             row["host_profile"] = host_profile(call, device, repeats)
             row["kernels"] = kernel_times(call, device, repeats)
         row["backends"] = dict(chosen)
         if launch_rounds and row["host"]["launches"]:
             row["launch_costs"] = launch_costs(call, device, launch_rounds, launch_count)
-            log(f"kernels {name}: host us per launch, " + ", ".join(f"{variant} {us:.1f}" for variant, us
+            log(f"kernels {name}: host us per launch, " + ", ".join(f"{way} {us:.1f}" for way, us
                                                                     in row["launch_costs"].items()))  # fmt: skip
         row["total_us"] = sum(kernel["us"] for kernel in row["kernels"].values())
         top = sorted(row["kernels"].items(), key=lambda item: -item[1]["us"])[:4]
@@ -298,17 +331,18 @@ def kernels_row(name, case, no_caps, device, log, repeats, launch_rounds=0, laun
 
 
 def kernels_section(device, log, cases=KERNEL_CASES, repeats=5, launch_rounds=7, launch_count=50,
-                    uncapped=UNCAPPED_CASES):  # fmt: skip
+                    variants=CONFIG_VARIANTS):  # fmt: skip
     """A row per case (``kernels_row``), the first's also with the host cost of one launch by each way of launching
-    it; then the ``uncapped`` cases again without the register caps (``kernel_runs``)."""
+    it; then the ``variants``' cases again with their configurations (``kernel_runs``)."""
     rows = []
-    for index, (name, case, no_caps) in enumerate(kernel_runs(cases, uncapped)):
+    for index, (name, case, variant) in enumerate(kernel_runs(cases, variants)):
         costs = (launch_rounds, launch_count) if index == 0 else (0, 0)
-        rows.append(kernels_row(name, case, no_caps, device, log, repeats, *costs))
+        rows.append(kernels_row(name, case, variant, device, log, repeats, *costs, variants=variants))
     return rows
 
 
-def kernels_jobs(device, cases=KERNEL_CASES, uncapped=UNCAPPED_CASES):
+def kernels_jobs(device, cases=KERNEL_CASES, variants=CONFIG_VARIANTS):
     """The kernels section's rows, each run once untimed: precompilation's jobs (``precompile``)."""
-    return [(f"kernels {name}", functools.partial(kernels_row, name, case, no_caps, device, no_log, 1))
-            for name, case, no_caps in kernel_runs(cases, uncapped)]  # fmt: skip
+    return [(f"kernels {name}", functools.partial(kernels_row, name, case, variant, device, no_log, 1,
+                                                  variants=variants))
+            for name, case, variant in kernel_runs(cases, variants)]  # fmt: skip

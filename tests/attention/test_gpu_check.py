@@ -14,8 +14,9 @@ import torch
 import gpu_check
 from gpu_sections.attention import (attention_section, attention_timings, envelope_section, fallback_section,
                                     timed_fields)  # fmt: skip
-from gpu_sections.kernels import (HOST_PROFILE_TOP, host_profile, host_times, kernel_times, kernels_section,
-                                 launch_costs, without_register_caps)  # fmt: skip
+from gpu_sections.kernels import (CONFIG_VARIANTS, HOST_PROFILE_TOP, KERNEL_CASES, changed_launch_configs,
+                                  host_profile, host_times, kernel_times, kernels_section, launch_costs, uncapped,
+                                  wide_256)  # fmt: skip
 from gpu_sections.measure import backend_spy, no_log, paired_ratio, relative_error, side_by_side
 from gpu_sections.models import (COMPILE_PRESETS, compile_section, decode_section, main_job_arguments, main_job_section,
                                  train_section)  # fmt: skip
@@ -23,6 +24,7 @@ from gpu_sections.sweep import (REPEATS, SQUARE, attend, case_name, each_documen
                                 run_case, run_sweep, sweep_cases, sweep_section)  # fmt: skip
 from gpu_sections.targets import collect_failures, judge_targets, peak_memory_target
 from device import DEVICE
+from test_backends import check, make_inputs, make_mask, run_triton
 from modeling_plat import plap_attention
 from modeling_plat import plap_attention_triton as triton_module
 from plat_train.presets import resolve_config_name
@@ -216,10 +218,12 @@ def test_kernel_times_by_name_and_launch_order():
 
 def test_kernels_section_on_cpu():
     cases = {"tiny": ((1, 2, 24, 8, True), None), "tiny-p1.5": ((1, 2, 24, 8, True), 1.5)}
-    mixed, single, uncapped = kernels_section(CPU, no_log, cases=cases, repeats=2, uncapped=("tiny",))
+    variants = {"uncapped": (("tiny",), uncapped)}
+    mixed, single, again = kernels_section(CPU, no_log, cases=cases, repeats=2, variants=variants)
     assert mixed["p"] == [1.5, 2.5] and single["p"] == [1.5]
-    assert uncapped["name"] == "tiny-uncapped" and uncapped["register_caps"] is False and "register_caps" not in mixed
-    assert "failures" not in uncapped and uncapped["kernels"]
+    assert again["name"] == "tiny-uncapped" and again["variant"] == "uncapped" and "variant" not in mixed
+    assert "failures" not in again and again["kernels"]
+    assert mixed["config"] is None  # the interpreter's tiles on a CPU
     # Two calls timed for the host, two profiled for it, then a warm-up and two profiled for the kernels.
     assert "failures" not in mixed and mixed["backends"] == {"eager": 7}
     assert mixed["total_us"] == sum(kernel["us"] for kernel in mixed["kernels"].values()) > 0
@@ -247,20 +251,38 @@ def test_host_times_count_the_triton_launches(formulation):
     assert triton_module._run.__name__ == "_run"  # restored
 
 
-def test_without_register_caps_clears_every_kernel_s_cap_while_inside():
+@pytest.mark.parametrize("variant", sorted(CONFIG_VARIANTS))
+def test_changed_launch_configs_apply_a_variant_while_inside(variant):
+    """Each variant changes what its cases launch with, on the H200 the kernels section runs on; calls' kept
+    configurations follow it inside and return to the adopted ones after."""
+    cases, change = CONFIG_VARIANTS[variant]
+    ((_, _, _, head_dim, _), _) = KERNEL_CASES[cases[0]]
+    adopted = triton_module.launch_config(torch.bfloat16, head_dim, head_dim, (9, 0))
+    assert change(adopted) != adopted
+    with changed_launch_configs(change):
+        changed = triton_module.launch_config(torch.bfloat16, head_dim, head_dim, (9, 0))
+        assert triton_module.launch_config(torch.bfloat16, 16, 16, (7, 5)) is None  # no configuration stays none
+    assert changed == change(adopted)
+    assert triton_module.launch_config(torch.bfloat16, head_dim, head_dim, (9, 0)) == adopted  # restored
+    arguments = ((1.5, 2.5), 1e-6, "paper", torch.bfloat16, head_dim, head_dim, (9, 0), None, None)
+    flat = triton_module._kernel_arguments(*arguments)[-1]
+    with changed_launch_configs(change):
+        assert triton_module._kernel_arguments(*arguments)[-1] == triton_module._flat(changed)
+    assert triton_module._kernel_arguments(*arguments)[-1] == flat == triton_module._flat(adopted)
+
+
+def test_the_variants_change_what_they_name():
+    """uncapped: every register cap off, nothing else; wide: the forward's query blocks and dK/dV's query tiles at
+    head size 256 doubled, nothing else."""
     capped = triton_module.launch_config(torch.bfloat16, 64, 64, (9, 0))
     assert any(kernel.max_registers for kernel in capped)  # the first passes' caps on sm_90
-    with without_register_caps():
-        uncapped = triton_module.launch_config(torch.bfloat16, 64, 64, (9, 0))
-    assert all(kernel.max_registers == 0 for kernel in uncapped)
-    assert uncapped == type(capped)(*(kernel._replace(max_registers=0) for kernel in capped))
-    assert triton_module.launch_config(torch.bfloat16, 64, 64, (9, 0)) == capped  # restored
-    # What calls take, kept per static facts, follows: uncapped inside, capped again after.
-    arguments = ((1.5, 2.5), 1e-6, "paper", torch.bfloat16, 64, 64, (9, 0), None, None)
-    flat = triton_module._kernel_arguments(*arguments)[-1]
-    with without_register_caps():
-        assert triton_module._kernel_arguments(*arguments)[-1] == triton_module._flat(uncapped)
-    assert triton_module._kernel_arguments(*arguments)[-1] == flat == triton_module._flat(capped)
+    assert uncapped(capped) == type(capped)(*(kernel._replace(max_registers=0) for kernel in capped))
+    adopted = triton_module.launch_config(torch.bfloat16, 256, 256, (9, 0))
+    wide = wide_256(adopted)
+    assert (wide.fwd.block_m, wide.dkdv.block_m) == (2 * adopted.fwd.block_m, 2 * adopted.dkdv.block_m)
+    assert wide._replace(fwd=adopted.fwd, dkdv=adopted.dkdv) == adopted
+    assert wide.fwd._replace(block_m=adopted.fwd.block_m) == adopted.fwd
+    assert wide.dkdv._replace(block_m=adopted.dkdv.block_m) == adopted.dkdv
 
 
 @pytest.mark.skipif(not triton_module.INTERPRETED and not torch.cuda.is_available(),
@@ -588,3 +610,20 @@ def test_sweep_stops_at_its_time_budget():
     results = run_sweep(cases, slow, no_log, seconds=0.3)
     assert [r["status"] for r in results] == ["ok", "ok", "skipped", "skipped"] and len(ran) == 2
     assert all(not r["failures"] for r in results)
+
+
+@pytest.mark.skipif(not triton_module.INTERPRETED, reason="the wide tiles are sm_90's; a CPU runs any under the "
+                                                          "interpreter")  # fmt: skip
+def test_the_wide_variant_computes_eq_12():
+    """The wide variant's tiles (the forward's blocks of 32 queries and tiles of 32 keys, dQ's blocks of 16 queries,
+    dK/dV's blocks of 16 keys against tiles of 64 queries) at head size 160 (bucket 256), under the interpreter: outputs
+    and gradients against the float64 reference, causal with key padding, key 20's value repeated at query 40 (a pair
+    for the exact passes; test_repeated_values checks that the backward finds the forward's flags at its tiles)."""
+    config = wide_256(triton_module.launch_config(torch.bfloat16, 256, 256, (9, 0)))
+    assert (config.fwd.block_m, config.fwd.block_n, config.dq.block_m, config.dkdv.block_n) == (32, 32, 16, 16)
+    shape = (2, 2, 70, 70, 160, 160)
+    inputs, p = make_inputs(*shape, torch.float16)
+    with torch.no_grad():
+        inputs[2][:, :, 40] = inputs[2][:, :, 20]
+    run = lambda *args, **kwargs: run_triton(*args, **kwargs, config=config)  # noqa: E731
+    check(run, inputs, p, torch.float16, attn_mask=make_mask("padding", *shape[:4]), is_causal=True)

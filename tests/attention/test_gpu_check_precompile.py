@@ -17,7 +17,7 @@ import torch._inductor.config
 
 import gpu_check
 from gpu_sections.attention import attention_row, row_jobs
-from gpu_sections.kernels import kernels_jobs
+from gpu_sections.kernels import kernels_jobs, uncapped
 from gpu_sections.measure import no_log
 from gpu_sections.models import compile_jobs, train_jobs
 from gpu_sections.precompile import COMPILE_THREADS, precompile
@@ -62,7 +62,7 @@ def test_each_section_s_jobs_are_its_rows_and_pickle():
     spawned process takes by pickle."""
     sections = dict(
         attention=row_jobs("attention", attention_row, {"tiny": TINY}, CPU),
-        kernels=kernels_jobs(CPU, cases={"tiny": (TINY, None)}, uncapped=("tiny",)),
+        kernels=kernels_jobs(CPU, cases={"tiny": (TINY, None)}, variants={"uncapped": (("tiny",), uncapped)}),
         train=train_jobs(CPU, batches={"ptb": 2}),
         compile=compile_jobs(CPU, presets=("preset",), cuda_graphs_preset="preset",
                              attention_shapes={"tiny": (2, 2, 24, 16, True)}),
@@ -78,9 +78,9 @@ def test_each_section_s_jobs_are_its_rows_and_pickle():
     ((_, run),) = sections["attention"]
     row = run()  # as the attention section's, from one untimed round
     assert row["name"] == "tiny" and "error" not in row and row["plat"]["backends"], row
-    ((_, uncapped),) = [job for job in sections["kernels"] if job[0] == "kernels tiny-uncapped"]
-    row = uncapped()
-    assert row["name"] == "tiny-uncapped" and row["register_caps"] is False and "error" not in row, row
+    ((_, again),) = [job for job in sections["kernels"] if job[0] == "kernels tiny-uncapped"]
+    row = again()
+    assert row["name"] == "tiny-uncapped" and row["variant"] == "uncapped" and "error" not in row, row
 
 
 def test_the_sections_a_run_precompiles_and_what_it_then_expects_of_them():
