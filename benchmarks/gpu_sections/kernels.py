@@ -272,10 +272,10 @@ def _function_label(file, line, name):
 
 def kernel_runs(cases=KERNEL_CASES, variants=CONFIG_VARIANTS):
     """(name, case, variant) of each row of the kernels section: ``cases`` (variant None), then each of ``variants``'
-    cases again with its configurations (``<case>-<variant>``)."""
+    cases again with its configurations (``<case>-<variant>``, variant its (name, change) in ``variants``)."""
     adopted = [(name, case, None) for name, case in cases.items()]
-    return adopted + [(f"{name}-{variant}", cases[name], variant) for variant, (names, _) in variants.items()
-                      for name in names]  # fmt: skip
+    return adopted + [(f"{name}-{variant}", cases[name], (variant, change))
+                      for variant, (names, change) in variants.items() for name in names]  # fmt: skip
 
 
 def launch_config_fields(head_dim, device):
@@ -288,10 +288,10 @@ def launch_config_fields(head_dim, device):
     return None if config is None else {kernel: fields._asdict() for kernel, fields in config._asdict().items()}
 
 
-def kernels_row(name, case, variant, device, log, repeats, launch_rounds=0, launch_count=0, variants=CONFIG_VARIANTS):
-    """A case's row, with the configurations of ``variant`` (a name in ``variants``) where given: its kernels, its
-    host time and host profile; with ``launch_rounds``, also the host cost of one of its launches by the ways of
-    launching it (``launch_costs``)."""
+def kernels_row(name, case, variant, device, log, repeats, launch_rounds=0, launch_count=0):
+    """A case's row, with the launch configurations of ``variant`` ((name, change), ``CONFIG_VARIANTS``) where given:
+    its kernels, its host time and host profile; with ``launch_rounds``, also the host cost of one of its launches by
+    the ways of launching it (``launch_costs``)."""
     (batch, heads, length, head_dim, causal), p = case
     q, k, v, grad_out = bf16_attention_inputs(batch, heads, length, head_dim, device)
     p_heads = tuple(paper_p_mix(heads)) if p is None else (p,) * heads
@@ -302,11 +302,11 @@ def kernels_row(name, case, variant, device, log, repeats, launch_rounds=0, laun
         torch.autograd.grad(plap_attention(q, k, v, p_heads, is_causal=causal), (q, k, v), grad_out)
 
     if variant is not None:
-        row["variant"] = variant
+        row["variant"] = variant[0]
     try:
         # Host times before the profiler session: measured after it (6d6cd30's record), a paper-LM call's host
         # work read 1.73 ms where the attention section's whole synchronised call took 1.33.
-        configs = changed_launch_configs(variants[variant][1]) if variant is not None else contextlib.nullcontext()
+        configs = changed_launch_configs(variant[1]) if variant is not None else contextlib.nullcontext()
         with backend_spy() as chosen, configs:
             row["config"] = launch_config_fields(head_dim, device)
             row["host"] = host_times(call, device, repeats)
@@ -337,12 +337,11 @@ def kernels_section(device, log, cases=KERNEL_CASES, repeats=5, launch_rounds=7,
     rows = []
     for index, (name, case, variant) in enumerate(kernel_runs(cases, variants)):
         costs = (launch_rounds, launch_count) if index == 0 else (0, 0)
-        rows.append(kernels_row(name, case, variant, device, log, repeats, *costs, variants=variants))
+        rows.append(kernels_row(name, case, variant, device, log, repeats, *costs))
     return rows
 
 
 def kernels_jobs(device, cases=KERNEL_CASES, variants=CONFIG_VARIANTS):
     """The kernels section's rows, each run once untimed: precompilation's jobs (``precompile``)."""
-    return [(f"kernels {name}", functools.partial(kernels_row, name, case, variant, device, no_log, 1,
-                                                  variants=variants))
+    return [(f"kernels {name}", functools.partial(kernels_row, name, case, variant, device, no_log, 1))
             for name, case, variant in kernel_runs(cases, variants)]  # fmt: skip
