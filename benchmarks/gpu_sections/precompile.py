@@ -26,7 +26,10 @@ from .spawned import outcomes
 def precompile(jobs, workers, seconds=None):
     """Run each of ``jobs`` ((label, run) pairs, run() a section's row, untimed, picklable) in ``workers`` spawned
     processes within ``seconds`` (None: no limit): {"seconds": precompilation's, "jobs": {label: the seconds its row
-    took, or why it did not finish}}."""
+    took, or why it did not finish}}. In this process they would only run the rows twice (and leave its Inductor
+    with COMPILE_THREADS): ``workers`` must be at least 1."""
+    if workers < 1:
+        raise ValueError(f"precompilation runs its rows in spawned processes: workers must be at least 1, not {workers}")
     start = time.monotonic()
     done = {}
     for (label, _), outcome in outcomes(jobs, _run_job, workers, seconds):

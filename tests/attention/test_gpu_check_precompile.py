@@ -36,6 +36,13 @@ def test_precompile_runs_each_row_in_a_spawned_process_and_records_what_became_o
     assert not multiprocessing.active_children()  # the workers are done and gone
 
 
+def test_precompile_refuses_to_run_its_rows_in_this_process():
+    threads = torch._inductor.config.compile_threads
+    with pytest.raises(ValueError, match="workers must be at least 1, not 0"):
+        precompile([("raises", functools.partial(int, "x"))], workers=0)
+    assert torch._inductor.config.compile_threads == threads
+
+
 def compiles_with_few_processes():
     assert 1 <= torch._inductor.config.compile_threads <= COMPILE_THREADS
 
@@ -95,7 +102,7 @@ def test_the_sections_a_run_precompiles_and_what_it_then_expects_of_them():
     assert list(result["jobs"]) == ["kernels a", "kernels b", "attention a"]  # the longest rows first
     assert result["sections"] == ["attention"]
     failed = gpu_check.precompiled(["attention"], jobs, -1, 120, no_log)  # precompilation itself fails: recorded
-    assert failed["sections"] == [] and failed["jobs"] == {} and "max_workers" in failed["error"], failed
+    assert failed["sections"] == [] and failed["jobs"] == {} and "at least 1" in failed["error"], failed
     assert set(gpu_check.PRECOMPILED_S) <= set(gpu_check.EXPECTED_S)
     assert all(gpu_check.PRECOMPILED_S[name] < gpu_check.EXPECTED_S[name] for name in gpu_check.PRECOMPILED_S)
 
