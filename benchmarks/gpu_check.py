@@ -40,8 +40,8 @@ and main-job), this script runs them within the budget and writes the record:
   launcher, its C function, Triton's own ``kernel[grid]`` launch) beside an ATen launch and allocation; and at the
   envelope's head size 256 (2, 8, 4096, 256). Then launch configurations measured beside the adopted ones
   (``CONFIG_VARIANTS``): 4k and 16k without the first passes' register caps, as Inductor compiles the kernels
-  (``-uncapped`` rows), and head size 256 with larger tiles (``d256-4k-wide``). Each row on a GPU names the tiles
-  it ran (``config``).
+  (``-uncapped`` rows), and head size 256 with larger tiles (``d256-4k-wide``), each kernel's time and the total
+  over its case's adopted row's (``to_adopted``). Each row on a GPU names the tiles it ran (``config``).
 - train: optimizer steps (forward, backward, AdamW) under bf16 autocast of benchmarks/bench_train_step.py's
   vision (DeiT-tiny), lm (the paper's LM) and llama-125m (12 x 768, 8 x 1024 tokens) pairs, p-LaT against
   transformers' twins with SDPA (its default backend), a pair's models on the GPU together: the median step, the

@@ -338,7 +338,26 @@ def kernels_section(device, log, cases=KERNEL_CASES, repeats=5, launch_rounds=7,
     for index, (name, case, variant) in enumerate(kernel_runs(cases, variants)):
         costs = (launch_rounds, launch_count) if index == 0 else (0, 0)
         rows.append(kernels_row(name, case, variant, device, log, repeats, *costs))
+    for row in rows:
+        if against_adopted(row, rows):
+            log(f"kernels {row['name']} against the adopted configurations: " + ", ".join(
+                f"{kernel} {ratio:.2f}x" for kernel, ratio in row["to_adopted"].items()))  # fmt: skip
     return rows
+
+
+def against_adopted(row, rows):
+    """Whether ``row`` is a variant's row whose case's adopted row is among ``rows`` (named as ``kernel_runs`` names
+    them), both with their kernels timed; if so, its ``to_adopted``: each kernel's time and the total over the adopted
+    row's (``total``)."""
+    if "variant" not in row or "kernels" not in row:
+        return False
+    adopted = next((other for other in rows if other["name"] == row["name"].removesuffix(f"-{row['variant']}")), {})
+    if "kernels" not in adopted:
+        return False
+    row["to_adopted"] = {kernel: times["us"] / adopted["kernels"][kernel]["us"]
+                         for kernel, times in row["kernels"].items() if kernel in adopted["kernels"]}  # fmt: skip
+    row["to_adopted"]["total"] = row["total_us"] / adopted["total_us"]
+    return True
 
 
 def kernels_jobs(device, cases=KERNEL_CASES, variants=CONFIG_VARIANTS):

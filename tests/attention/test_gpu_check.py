@@ -14,9 +14,9 @@ import torch
 import gpu_check
 from gpu_sections.attention import (attention_section, attention_timings, envelope_section, fallback_section,
                                     timed_fields)  # fmt: skip
-from gpu_sections.kernels import (CONFIG_VARIANTS, HOST_PROFILE_TOP, KERNEL_CASES, changed_launch_configs,
-                                  host_profile, host_times, kernel_times, kernels_section, launch_costs, uncapped,
-                                  wide_256)  # fmt: skip
+from gpu_sections.kernels import (CONFIG_VARIANTS, HOST_PROFILE_TOP, KERNEL_CASES, against_adopted,
+                                  changed_launch_configs, host_profile, host_times, kernel_times, kernels_section,
+                                  launch_costs, uncapped, wide_256)  # fmt: skip
 from gpu_sections.measure import backend_spy, no_log, paired_ratio, relative_error, side_by_side
 from gpu_sections.models import (COMPILE_PRESETS, compile_section, decode_section, main_job_arguments, main_job_section,
                                  train_section)  # fmt: skip
@@ -224,6 +224,12 @@ def test_kernels_section_on_cpu():
     assert again["name"] == "tiny-uncapped" and again["variant"] == "uncapped" and "variant" not in mixed
     assert "failures" not in again and again["kernels"]
     assert mixed["config"] is None  # the interpreter's tiles on a CPU
+    # The variant's kernels against the adopted row's, each by name and in all.
+    assert set(again["to_adopted"]) == (set(again["kernels"]) & set(mixed["kernels"])) | {"total"}
+    assert again["to_adopted"]["total"] == again["total_us"] / mixed["total_us"]
+    assert all(again["to_adopted"][name] == again["kernels"][name]["us"] / mixed["kernels"][name]["us"]
+               for name in again["kernels"])  # fmt: skip
+    assert "to_adopted" not in mixed and "to_adopted" not in single
     # Two calls timed for the host, two profiled for it, then a warm-up and two profiled for the kernels.
     assert "failures" not in mixed and mixed["backends"] == {"eager": 7}
     assert mixed["total_us"] == sum(kernel["us"] for kernel in mixed["kernels"].values()) > 0
@@ -233,6 +239,21 @@ def test_kernels_section_on_cpu():
     assert 0 < len(functions) <= HOST_PROFILE_TOP
     assert [f["own_us"] for f in functions] == sorted((f["own_us"] for f in functions), reverse=True)
     assert sum(f["own_us"] for f in functions) <= mixed["host_profile"]["own_us"]
+
+
+def test_a_variant_is_compared_only_with_its_own_case_s_timed_row():
+    def timed(name, forward, backward, **fields):
+        kernels = {"fwd": dict(us=forward), "bwd": dict(us=backward)}
+        return dict(name=name, kernels=kernels, total_us=forward + backward, **fields)
+
+    adopted, other = timed("4k", 10.0, 30.0), timed("16k", 1.0, 1.0)
+    variant = timed("4k-wide", 5.0, 45.0, variant="wide")
+    assert against_adopted(variant, [other, adopted, variant])
+    assert variant["to_adopted"] == {"fwd": 0.5, "bwd": 1.5, "total": 1.25}
+    failed = dict(name="4k", error="RuntimeError: out of memory")
+    again = timed("4k-wide", 5.0, 45.0, variant="wide")
+    assert not against_adopted(again, [failed, again]) and "to_adopted" not in again
+    assert not against_adopted(adopted, [adopted, variant])  # not a variant
 
 
 @pytest.mark.skipif(not triton_module.INTERPRETED, reason="the Triton backend runs on CPU only under the interpreter")
