@@ -32,16 +32,18 @@ and main-job), this script runs them within the budget and writes the record:
   at 4k, packed rows of five documents at 4k, Llama 4's chunks of 8,192 over 16k tokens; the backends auto chose.
 - kernels: the GPU kernels of one bfloat16 plap_attention forward + backward, by name, from torch.profiler: launches
   per call, microseconds per call and per launch in launch order (a kernel's first pass, then its exact pass), at the
-  paper LM's and the kernel-speed shapes (4k, 4k-d128, 16k, paper mix) and at 4k with every head at p = 1.5 (one
-  launch per kernel): what tools/kernels/gpu_time_model.py is calibrated on; and the host time of a call, in all and in
-  the Triton launches (the part a synchronised call's GPU waits for before its first kernel), and a profile of that
-  host time (cProfile: the functions with the most own time, allocations and launchers included); at the paper LM's
-  shape also one launch's host time by each way of launching it (the backend, its Python alone, Triton's compiled
-  launcher, its C function, Triton's own ``kernel[grid]`` launch) beside an ATen launch and allocation; and at the
-  envelope's head size 256 (2, 8, 4096, 256). Then launch configurations measured beside the adopted ones
-  (``CONFIG_VARIANTS``): 4k and 16k without the first passes' register caps, as Inductor compiles the kernels
-  (``-uncapped`` rows), and head size 256 with larger tiles (``d256-4k-wide``), each kernel's time and the total
-  over its case's adopted row's (``to_adopted``). Each row on a GPU names the tiles it ran (``config``).
+  paper LM's and the kernel-speed shapes (4k, 4k-d128, 16k, paper mix), at 4k with every head at p = 1.5 (one
+  launch per kernel): what tools/kernels/gpu_time_model.py is calibrated on; at 4k with values that repeat as a
+  text's tokens do (Zipf's law over 10,000 tokens, as a RoPE model's first layer sees them: nearly every block takes
+  the exact passes, which random values never reach); and at the envelope's head size 256 (2, 8, 4096, 256). Each
+  row also has the host time of a call, in all and in the Triton launches (the part a synchronised call's GPU waits
+  for before its first kernel), and a profile of that host time (cProfile: the functions with the most own time,
+  allocations and launchers included); the paper LM's also one launch's host time by each way of launching it (the
+  backend, its Python alone, Triton's compiled launcher, its C function, Triton's own ``kernel[grid]`` launch) beside
+  an ATen launch and allocation. Then launch configurations measured beside the adopted ones (``CONFIG_VARIANTS``):
+  4k and 16k without the first passes' register caps, as Inductor compiles the kernels (``-uncapped`` rows), and
+  head size 256 with larger tiles (``d256-4k-wide``), each kernel's time and the total over its case's adopted row's
+  (``to_adopted``). Each row on a GPU names the tiles it ran (``config``).
 - train: optimizer steps (forward, backward, AdamW) under bf16 autocast of benchmarks/bench_train_step.py's
   vision (DeiT-tiny), lm (the paper's LM) and llama-125m (12 x 768, 8 x 1024 tokens) pairs, p-LaT against
   transformers' twins with SDPA (its default backend), a pair's models on the GPU together: the median step, the

@@ -11,6 +11,7 @@ import pstats
 import statistics
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -22,12 +23,37 @@ from .measure import ROOT, backend_spy, bf16_attention_inputs, error_fields, no_
 
 # Functions a kernels row's host profile keeps, by own time.
 HOST_PROFILE_TOP = 30
-# name: (shape, p per head: None for the paper's mix) of the kernels section.
+
+
+class KernelCase(NamedTuple):
+    """A kernels row's inputs: (batch, heads, length, head size, causal), p of every head (None: the paper's mix),
+    and its values: "random", or "tokens" (``token_values``)."""
+
+    shape: tuple
+    p: float | None = None
+    values: str = "random"
+
+
 KERNEL_CASES = {
-    **{name: (ATTENTION_SHAPES[name], None) for name in ("paper-lm", *KERNEL_SPEED_SHAPES)},
-    "4k-p1.5": (ATTENTION_SHAPES["4k"], 1.5),
-    "d256-4k": ((*ENVELOPE_SHAPES["d256-4k"][:4], True), None),  # the envelope's causal rows
+    **{name: KernelCase(ATTENTION_SHAPES[name]) for name in ("paper-lm", *KERNEL_SPEED_SHAPES)},
+    "4k-p1.5": KernelCase(ATTENTION_SHAPES["4k"], 1.5),
+    # Random values have no close pairs: their exact passes leave at once. Here most blocks take them.
+    "4k-tokens": KernelCase(ATTENTION_SHAPES["4k"], values="tokens"),
+    "d256-4k": KernelCase((*ENVELOPE_SHAPES["d256-4k"][:4], True)),  # the envelope's causal rows
 }
+# The vocabulary of the token-like values: Penn Treebank's size.
+TOKEN_VOCABULARY = 10_000
+
+
+def token_values(batch, heads, length, head_dim, device, generator):
+    """bfloat16 values (B, H, N, d) that repeat as a text's tokens do where a layer's values depend on its token alone
+    (the first layer of a model whose positions rotate only queries and keys, as RoPE does): a random vector per token
+    of the vocabulary and head, the tokens drawn by Zipf's law (frequencies as 1 / rank), so that most query blocks
+    hold a query whose value equals an earlier key's, a pair the exact passes take."""
+    ranks = torch.arange(1, TOKEN_VOCABULARY + 1, device=device, dtype=torch.float32)
+    tokens = torch.multinomial((1 / ranks).expand(batch, -1), length, replacement=True, generator=generator)
+    table = torch.randn(heads, TOKEN_VOCABULARY, head_dim, generator=generator, device=device, dtype=torch.bfloat16)
+    return table[:, tokens].transpose(0, 1).contiguous()
 
 
 def uncapped(config):
@@ -292,11 +318,14 @@ def kernels_row(name, case, variant, device, log, repeats, launch_rounds=0, laun
     """A case's row, with the launch configurations of ``variant`` ((name, change), ``CONFIG_VARIANTS``) where given:
     its kernels, its host time and host profile; with ``launch_rounds``, also the host cost of one of its launches by
     the ways of launching it (``launch_costs``)."""
-    (batch, heads, length, head_dim, causal), p = case
+    (batch, heads, length, head_dim, causal), p, values = case
     q, k, v, grad_out = bf16_attention_inputs(batch, heads, length, head_dim, device)
+    if values == "tokens":
+        generator = torch.Generator(device=device).manual_seed(1)
+        v = token_values(batch, heads, length, head_dim, device, generator).requires_grad_()
     p_heads = tuple(paper_p_mix(heads)) if p is None else (p,) * heads
     row = dict(name=name, batch=batch, heads=heads, length=length, head_dim=head_dim, causal=causal,
-               p=sorted(set(p_heads)))  # fmt: skip
+               p=sorted(set(p_heads)), values=values)  # fmt: skip
 
     def call():
         torch.autograd.grad(plap_attention(q, k, v, p_heads, is_causal=causal), (q, k, v), grad_out)

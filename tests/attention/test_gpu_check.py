@@ -14,9 +14,9 @@ import torch
 import gpu_check
 from gpu_sections.attention import (attention_section, attention_timings, envelope_section, fallback_section,
                                     timed_fields)  # fmt: skip
-from gpu_sections.kernels import (CONFIG_VARIANTS, HOST_PROFILE_TOP, KERNEL_CASES, against_adopted,
+from gpu_sections.kernels import (CONFIG_VARIANTS, HOST_PROFILE_TOP, KERNEL_CASES, KernelCase, against_adopted,
                                   changed_launch_configs, host_profile, host_times, kernel_times, kernels_section,
-                                  launch_costs, uncapped, wide_256)  # fmt: skip
+                                  launch_costs, token_values, uncapped, wide_256)  # fmt: skip
 from gpu_sections.measure import backend_spy, no_log, paired_ratio, relative_error, side_by_side
 from gpu_sections.models import (COMPILE_PRESETS, compile_section, decode_section, main_job_arguments, main_job_section,
                                  train_section)  # fmt: skip
@@ -217,10 +217,12 @@ def test_kernel_times_by_name_and_launch_order():
 
 
 def test_kernels_section_on_cpu():
-    cases = {"tiny": ((1, 2, 24, 8, True), None), "tiny-p1.5": ((1, 2, 24, 8, True), 1.5)}
+    cases = {"tiny": KernelCase((1, 2, 24, 8, True)), "tiny-p1.5": KernelCase((1, 2, 24, 8, True), 1.5),
+             "tiny-tokens": KernelCase((1, 2, 24, 8, True), values="tokens")}  # fmt: skip
     variants = {"uncapped": (("tiny",), uncapped)}
-    mixed, single, again = kernels_section(CPU, no_log, cases=cases, repeats=2, variants=variants)
+    mixed, single, tokens, again = kernels_section(CPU, no_log, cases=cases, repeats=2, variants=variants)
     assert mixed["p"] == [1.5, 2.5] and single["p"] == [1.5]
+    assert mixed["values"] == "random" and tokens["values"] == "tokens" and "failures" not in tokens
     assert again["name"] == "tiny-uncapped" and again["variant"] == "uncapped" and "variant" not in mixed
     assert "failures" not in again and again["kernels"]
     assert mixed["config"] is None  # the interpreter's tiles on a CPU
@@ -239,6 +241,18 @@ def test_kernels_section_on_cpu():
     assert 0 < len(functions) <= HOST_PROFILE_TOP
     assert [f["own_us"] for f in functions] == sorted((f["own_us"] for f in functions), reverse=True)
     assert sum(f["own_us"] for f in functions) <= mixed["host_profile"]["own_us"]
+
+
+def test_token_values_repeat_as_a_text_s_tokens():
+    """Nearly every block of 64 queries holds a query whose value equals an earlier key's: a pair that the exact passes
+    take. Each head has its own vectors."""
+    values = token_values(2, 3, 1024, 8, CPU, torch.Generator().manual_seed(1))
+    assert values.shape == (2, 3, 1024, 8) and values.dtype == torch.bfloat16 and values.is_contiguous()
+    equal = (values[:, :, :, None] == values[:, :, None, :]).all(-1)  # (B, H, N, N)
+    repeats = torch.tril(equal, diagonal=-1).any(-1)  # a query's value equals an earlier key's
+    assert repeats.view(2, 3, 16, 64).any(-1).float().mean() > 0.9
+    assert repeats.float().mean() < 0.9  # not all one token
+    assert equal[:, 0].equal(equal[:, 1]) and not values[:, 0].equal(values[:, 1])  # the same tokens, other vectors
 
 
 def test_a_variant_is_compared_only_with_its_own_case_s_timed_row():
@@ -277,7 +291,7 @@ def test_changed_launch_configs_apply_a_variant_while_inside(variant):
     """Each variant changes what its cases launch with, on the H200 the kernels section runs on; calls' kept
     configurations follow it inside and return to the adopted ones after."""
     cases, change = CONFIG_VARIANTS[variant]
-    ((_, _, _, head_dim, _), _) = KERNEL_CASES[cases[0]]
+    _, _, _, head_dim, _ = KERNEL_CASES[cases[0]].shape
     adopted = triton_module.launch_config(torch.bfloat16, head_dim, head_dim, (9, 0))
     assert change(adopted) != adopted
     with changed_launch_configs(change):

@@ -17,7 +17,7 @@ import torch._inductor.config
 
 import gpu_check
 from gpu_sections.attention import attention_row, row_jobs
-from gpu_sections.kernels import kernels_jobs, uncapped
+from gpu_sections.kernels import KernelCase, kernels_jobs, uncapped
 from gpu_sections.measure import no_log
 from gpu_sections.models import compile_jobs, train_jobs
 from gpu_sections.precompile import COMPILE_THREADS, precompile
@@ -69,7 +69,7 @@ def test_each_section_s_jobs_are_its_rows_and_pickle():
     spawned process takes by pickle."""
     sections = dict(
         attention=row_jobs("attention", attention_row, {"tiny": TINY}, CPU),
-        kernels=kernels_jobs(CPU, cases={"tiny": (TINY, None)}, variants={"uncapped": (("tiny",), uncapped)}),
+        kernels=kernels_jobs(CPU, cases={"tiny": KernelCase(TINY)}, variants={"uncapped": (("tiny",), uncapped)}),
         train=train_jobs(CPU, batches={"ptb": 2}),
         compile=compile_jobs(CPU, presets=("preset",), cuda_graphs_preset="preset",
                              attention_shapes={"tiny": (2, 2, 24, 16, True)}),
