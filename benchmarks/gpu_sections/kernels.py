@@ -50,8 +50,9 @@ def token_values(batch, heads, length, head_dim, device, generator):
     (the first layer of a model whose positions rotate only queries and keys, as RoPE does): a random vector per token
     of the vocabulary and head, the tokens drawn by Zipf's law (frequencies as 1 / rank), so that most query blocks
     hold a query whose value equals an earlier key's, a pair the exact passes take."""
-    ranks = torch.arange(1, TOKEN_VOCABULARY + 1, device=device, dtype=torch.float32)
-    tokens = torch.multinomial((1 / ranks).expand(batch, -1), length, replacement=True, generator=generator)
+    from bench_train_step import zipf_tokens
+
+    tokens = zipf_tokens(batch, length, TOKEN_VOCABULARY, generator, device)
     table = torch.randn(heads, TOKEN_VOCABULARY, head_dim, generator=generator, device=device, dtype=torch.bfloat16)
     return table[:, tokens].transpose(0, 1).contiguous()
 
