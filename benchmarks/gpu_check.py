@@ -15,12 +15,15 @@ and main-job), this script runs them within the budget and writes the record:
   tests/attention/test_backends.py) and a second run that must be bitwise identical; the Triton cases also with
   each kernel's first pass then its exact pass (the sweep's small calls run the exact pass alone). Then values with exact
   duplicates (repeated tokens: D2 = 0 off the diagonal) and packed rows (document_ids) against each document
-  alone, at head sizes 16, 64 and 128; eager and tiled in float32 on duplicates under TF32 matmuls
+  alone, at head sizes 16, 64 and 128; what the kernels took in last: a causal sliding window of 50 keys with key
+  padding at head sizes 16, 64 and 128, head sizes 160 and 256, and duplicates at 256; eager and tiled in float32
+  on duplicates under TF32 matmuls
   (torch.backends.cuda.matmul.allow_tf32), within TF32's own error (the scores' and outputs' matmuls round to
   TF32 as the user asked; the distances must not: rounded, duplicates' D2 ~ |v|^2 2^-11 instead of 0, an O(1)
   error of the weights) or twice their errors without TF32, whichever is larger; and convert_to_plat at p = 2
   of tiny random GPT-2, Llama and ViT models against transformers' own in float32 and bfloat16 (logits). The
-  cases run side by side in --workers spawned processes on the same GPU (Triton caches kernels on disk).
+  cases run side by side in --workers spawned processes on the same GPU (Triton caches kernels on disk), a case of
+  each group in turn, so that a sweep cut short by the budget has checked some of every group.
 - attention: bfloat16 plap_attention (auto, the paper's p mix as a static tuple, as models pass it) against
   scaled_dot_product_attention's default, flash and cuDNN backends: forward, forward + backward, and the peak
   memory of a forward + backward, at the paper LM (16, 8, 256, 16, causal), DeiT-tiny (64, 3, 197, 64),

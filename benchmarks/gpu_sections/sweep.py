@@ -17,6 +17,8 @@ from .spawned import outcomes
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 HEAD_DIMS = (16, 48, 64, 80, 128)
 FEW_HEAD_DIMS = (16, 64, 128)
+# The window cases' size: shorter than their keys, not a multiple of any tile.
+WINDOW = 50
 # float32 matmuls with inputs rounded to TF32 (2^-11 relative): 1.2e-4 to 7.1e-4 measured on an H100.
 TF32_TOLERANCE = 2e-3
 # (B, H, Nq, Nk) of the sweep: lengths that are not multiples of any tile.
@@ -30,25 +32,50 @@ CONVERSIONS = ("gpt2", "llama", "vit")
 
 
 def sweep_cases():
-    """Every case of the correctness sweep, as JSON-ready dicts."""
-    cases = []
+    """Every case of the correctness sweep, as JSON-ready dicts: its groups interleaved, a case of each in turn, so that
+    a sweep that the time budget cuts short has checked some of every group."""
+    return interleaved([_backend_cases(), _two_pass_cases(), _envelope_cases(), _repeated_and_packed_cases(),
+                        _tf32_cases(), _conversion_cases()])  # fmt: skip
+
+
+def interleaved(groups):
+    """The cases of ``groups`` (lists), one of each in turn while it has any: each group's in its own order."""
+    return [case for cases in itertools.zip_longest(*groups) for case in cases if case is not None]
+
+
+def _backend_cases():
     # Dtype and head size vary fastest: side by side, the workers build different kernels.
-    for backend, shape, masked, formulation, head_dim, dtype in itertools.product(
-        ("triton", "auto"), (SQUARE, KV_CACHE), (False, True), ("paper", "euler"), HEAD_DIMS, DTYPES
-    ):
-        cases.append(dict(kind="backend", backend=backend, dtype=dtype, head_dim=head_dim,
-                          formulation=formulation, masked=masked, shape=shape))  # fmt: skip
+    return [dict(kind="backend", backend=backend, dtype=dtype, head_dim=head_dim, formulation=formulation,
+                 masked=masked, shape=shape)
+            for backend, shape, masked, formulation, head_dim, dtype in itertools.product(
+                ("triton", "auto"), (SQUARE, KV_CACHE), (False, True), ("paper", "euler"), HEAD_DIMS, DTYPES)]  # fmt: skip
+
+
+def _two_pass_cases():
     # The sweep's small calls run each kernel's exact pass alone (ONE_PASS_PAIRS); large ones a first pass, then the
     # exact pass of the flagged blocks: the same cases with both passes, the power's three classes among the heads.
-    for shape, masked, formulation, head_dim, dtype in itertools.product(
-        (SQUARE, KV_CACHE), (False, True), ("paper", "euler"), HEAD_DIMS, DTYPES
-    ):
-        cases.append(dict(kind="backend", backend="triton", dtype=dtype, head_dim=head_dim, formulation=formulation,
-                          masked=masked, shape=shape, two_passes=True))  # fmt: skip
-    for backend, formulation in itertools.product(("eager", "tiled"), ("paper", "euler")):
-        cases.append(dict(kind="tf32", backend=backend, dtype="float32", head_dim=64, formulation=formulation,
-                          masked=True, shape=SQUARE))  # fmt: skip
+    return [dict(kind="backend", backend="triton", dtype=dtype, head_dim=head_dim, formulation=formulation,
+                 masked=masked, shape=shape, two_passes=True)
+            for shape, masked, formulation, head_dim, dtype in itertools.product(
+                (SQUARE, KV_CACHE), (False, True), ("paper", "euler"), HEAD_DIMS, DTYPES)]  # fmt: skip
+
+
+def _envelope_cases():
+    """What the kernels took in last: a causal sliding window with key padding, and head sizes of the largest bucket
+    (160 pads to 256), with repeated values there too; Triton's also with both passes."""
+    cases = []
+    for backend, formulation, dtype in itertools.product(("triton", "auto"), ("paper", "euler"), DTYPES):
+        cases += [dict(kind="window", backend=backend, dtype=dtype, head_dim=head_dim, formulation=formulation,
+                       masked=True, shape=SQUARE, window=WINDOW) for head_dim in FEW_HEAD_DIMS]  # fmt: skip
+        cases += [dict(kind=kind, backend=backend, dtype=dtype, head_dim=head_dim, formulation=formulation,
+                       masked=True, shape=SQUARE)
+                  for kind, head_dim in (("backend", 160), ("backend", 256), ("repeated", 256))]  # fmt: skip
+    return cases + [dict(case, two_passes=True) for case in cases if case["backend"] == "triton"]
+
+
+def _repeated_and_packed_cases():
     # masked: causal + key padding for repeated values; causal for packed rows (their documents are the mask).
+    cases = []
     for kind, backend, masked, formulation, head_dim, dtype in itertools.product(
         ("repeated", "packed"), ("triton", "auto"), (False, True), ("paper", "euler"), FEW_HEAD_DIMS, DTYPES
     ):
@@ -56,9 +83,17 @@ def sweep_cases():
                           masked=masked, shape=SQUARE))  # fmt: skip
         if backend == "triton":
             cases.append(dict(cases[-1], two_passes=True))
-    for model, dtype in itertools.product(CONVERSIONS, ("float32", "bfloat16")):
-        cases.append(dict(kind="convert", model=model, dtype=dtype))
     return cases
+
+
+def _tf32_cases():
+    return [dict(kind="tf32", backend=backend, dtype="float32", head_dim=64, formulation=formulation, masked=True,
+                 shape=SQUARE) for backend, formulation in itertools.product(("eager", "tiled"), ("paper", "euler"))]
+
+
+def _conversion_cases():
+    return [dict(kind="convert", model=model, dtype=dtype)
+            for model, dtype in itertools.product(CONVERSIONS, ("float32", "bfloat16"))]
 
 
 def case_name(case):
@@ -66,6 +101,7 @@ def case_name(case):
         return f"convert/{case['model']}/{case['dtype']}"
     batch, heads, nq, nk = case["shape"]
     mask = ("causal" if case["kind"] == "packed" else "causal+padding") if case["masked"] else "nomask"
+    mask += f"+window{case['window']}" if "window" in case else ""
     passes = "/two-passes" if case.get("two_passes") else ""
     return (f"{case['kind']}/{case['backend']}/{case['dtype']}/d{case['head_dim']}/{case['formulation']}/{mask}/"
             f"nq{nq}-nk{nk}{passes}")  # fmt: skip
@@ -95,6 +131,8 @@ def make_case_inputs(case, device):
         keep[0, :7] = False  # left padding
         keep[-1, :] = False  # a sequence with every key masked
         kwargs.update(is_causal=True, attn_mask=keep[:, None, None, :].to(device))
+        if "window" in case:
+            kwargs["sliding_window"] = case["window"]
     grad_out = torch.randn(batch, heads, nq, case["head_dim"], generator=gen, dtype=torch.float64).to(device)
     return inputs, p, kwargs, grad_out
 
@@ -179,6 +217,7 @@ def run_case(case, device):
     inputs, p, kwargs, grad_out = make_case_inputs(case, device)
     try:
         backend = choose_backend(case["backend"], *inputs, p=p, attn_mask=kwargs.get("attn_mask"),
+                                 is_causal=kwargs.get("is_causal", False), sliding_window=kwargs.get("sliding_window"),
                                  document_ids=kwargs.get("document_ids"), formulation=case["formulation"]).name
     except ValueError as reason:
         return dict(status="skipped", reason=str(reason))

@@ -20,8 +20,9 @@ from gpu_sections.kernels import (CONFIG_VARIANTS, HOST_PROFILE_TOP, KERNEL_CASE
 from gpu_sections.measure import backend_spy, no_log, paired_ratio, relative_error, side_by_side
 from gpu_sections.models import (COMPILE_PRESETS, compile_section, decode_section, main_job_arguments, main_job_section,
                                  train_section)  # fmt: skip
-from gpu_sections.sweep import (REPEATS, SQUARE, attend, case_name, each_document_alone, judge, make_case_inputs,
-                                run_case, run_sweep, sweep_cases, sweep_section)  # fmt: skip
+from gpu_sections.sweep import (FEW_HEAD_DIMS, HEAD_DIMS, REPEATS, SQUARE, attend, case_name, each_document_alone,
+                                interleaved, judge, make_case_inputs, run_case, run_sweep, sweep_cases,
+                                sweep_section)  # fmt: skip
 from gpu_sections.targets import collect_failures, judge_targets, peak_memory_target
 from device import DEVICE
 from test_backends import check, make_inputs, make_mask, run_triton
@@ -34,7 +35,7 @@ CPU = torch.device("cpu")
 
 def test_sweep_covers_every_combination():
     cases = sweep_cases()
-    backend_cases = [c for c in cases if c["kind"] == "backend"]
+    backend_cases = [c for c in cases if c["kind"] == "backend" and c["head_dim"] in HEAD_DIMS]
     # dtypes, head sizes, formulations, masks, lengths, backends (and Triton's two passes as a third)
     assert len(backend_cases) == 3 * 5 * 2 * 2 * 2 * 3
     combinations = {(c["dtype"], c["head_dim"], c["formulation"], c["masked"], c["shape"], c["backend"],
@@ -49,14 +50,29 @@ def test_sweep_covers_every_combination():
     }
     for kind in ("repeated", "packed"):
         kind_cases = {(c["backend"], c["dtype"], c["head_dim"], c["formulation"], c["masked"], c.get("two_passes"))
-                      for c in cases if c["kind"] == kind}  # fmt: skip
+                      for c in cases if c["kind"] == kind and c["head_dim"] in FEW_HEAD_DIMS}  # fmt: skip
         assert len(kind_cases) == 3 * 3 * 3 * 2 * 2  # auto, triton and triton's two passes
     assert {(c["model"], c["dtype"]) for c in cases if c["kind"] == "convert"} == {
         (model, dtype) for model in ("gpt2", "llama", "vit") for dtype in ("float32", "bfloat16")
     }
+    # The envelope: a causal window with key padding at three head sizes, and head sizes 160 and 256 (repeated values
+    # at 256), each dtype and formulation, auto and triton (and its two passes).
+    groups = [("window", head_dim) for head_dim in FEW_HEAD_DIMS] + [("backend", 160), ("backend", 256),
+                                                                     ("repeated", 256)]  # fmt: skip
+    envelope = {group: {(c["backend"], c.get("two_passes", False), c["dtype"], c["formulation"])
+                        for c in cases if (c["kind"], c.get("head_dim")) == group} for group in groups}  # fmt: skip
+    assert all(len(combinations) == 3 * 3 * 2 for combinations in envelope.values()), envelope
+    assert all(c["window"] < c["shape"][3] and c["masked"] for c in cases if c["kind"] == "window")
     assert len({case_name(c) for c in cases}) == len(cases)
-    # Side by side, the first workers build different kernels.
-    assert len({(c["dtype"], c["head_dim"]) for c in cases[:15]}) == 15
+    # A sweep cut short by its time has checked some of every group: the first round holds one of each.
+    assert {c["kind"] for c in cases[:6]} == {"backend", "window", "repeated", "tf32", "convert"}
+    # Side by side, the first workers of a group build different kernels.
+    first = [c for c in cases if c["kind"] == "backend" and not c.get("two_passes")][:15]
+    assert len({(c["dtype"], c["head_dim"]) for c in first}) == 15
+
+
+def test_interleaved_takes_a_case_of_each_group_in_turn():
+    assert interleaved([[1, 2, 3], ["a"], [], [7, 8]]) == [1, "a", 7, 2, 8, 3]
 
 
 def ok_result(**errors):
@@ -129,6 +145,21 @@ def test_repeated_values_and_packed_rows_on_cpu(kind, masked):
         assert kwargs["document_ids"].shape == (2, 200) and kwargs["document_ids"][0].unique().numel() == 4
     result = run_case(case, CPU)
     assert result["status"] == "ok" and judge(case, result) == [], result
+
+
+@pytest.mark.parametrize("backend", ["auto", "triton"])
+def test_a_window_case_on_cpu(backend):
+    """The window reaches the call (a window of 5 keys over 20, with key padding); without it the output is far from
+    the reference, so the check can fail."""
+    if backend == "triton" and not triton_module.INTERPRETED:
+        pytest.skip("the Triton backend runs on CPU only under the interpreter")
+    case = small_case(kind="window", backend=backend, window=5)
+    inputs, p, kwargs, grad_out = make_case_inputs(case, CPU)
+    assert kwargs["sliding_window"] == 5 and kwargs["is_causal"] and kwargs["attn_mask"] is not None
+    result = run_case(case, CPU)
+    assert result["status"] == "ok" and judge(case, result) == [], result
+    windowless = {name: value for name, value in kwargs.items() if name != "sliding_window"}
+    assert relative_error(attend(inputs, p, windowless, "eager"), attend(inputs, p, kwargs, "eager")) > 0.1
 
 
 def test_packed_reference_is_each_document_alone():
