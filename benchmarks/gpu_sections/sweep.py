@@ -54,10 +54,7 @@ def _backend_cases():
 def _two_pass_cases():
     # The sweep's small calls run each kernel's exact pass alone (ONE_PASS_PAIRS); large ones a first pass, then the
     # exact pass of the flagged blocks: the same cases with both passes, the power's three classes among the heads.
-    return [dict(kind="backend", backend="triton", dtype=dtype, head_dim=head_dim, formulation=formulation,
-                 masked=masked, shape=shape, two_passes=True)
-            for shape, masked, formulation, head_dim, dtype in itertools.product(
-                (SQUARE, KV_CACHE), (False, True), ("paper", "euler"), HEAD_DIMS, DTYPES)]  # fmt: skip
+    return [dict(case, two_passes=True) for case in _backend_cases() if case["backend"] == "triton"]
 
 
 def _envelope_cases():
