@@ -65,10 +65,11 @@ def uncapped(config):
 
 def wide_256(config):
     """Head size 256 with larger tiles whose first passes spill nothing inside their loops on sm_90
-    (tools/kernels/README.md, "Larger tiles at head size 256"): the forward's query blocks of 32 rather than 16, which
-    load each key tile for twice as many scores, and dK/dV's query tiles of 64 rather than 32 (a third fewer
-    instructions per score; 144 KB of shared memory)."""
-    return config._replace(fwd=config.fwd._replace(block_m=32), dkdv=config.dkdv._replace(block_m=64))
+    (tools/kernels/README.md, "Larger tiles at head size 256"): the forward's and dQ's blocks of 32 queries rather than
+    16, which load each key tile for twice as many scores (dQ's with 8 warps rather than 4), and dK/dV's query tiles of
+    64 rather than 32 (a third fewer instructions per score; 144 KB of shared memory)."""
+    return config._replace(fwd=config.fwd._replace(block_m=32), dkdv=config.dkdv._replace(block_m=64),
+                           dq=config.dq._replace(block_m=32, num_warps=8))
 
 
 # Launch configurations measured again beside the adopted ones, rows named ``<case>-<variant>``: variant -> (the cases,

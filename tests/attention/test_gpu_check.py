@@ -338,17 +338,18 @@ def test_changed_launch_configs_apply_a_variant_while_inside(variant):
 
 
 def test_the_variants_change_what_they_name():
-    """uncapped: every register cap off, nothing else; wide: the forward's query blocks and dK/dV's query tiles at
-    head size 256 doubled, nothing else."""
+    """uncapped: every register cap off, nothing else; wide: the query blocks and tiles at head size 256 doubled (dQ's
+    with twice the warps), nothing else."""
     capped = triton_module.launch_config(torch.bfloat16, 64, 64, (9, 0))
     assert any(kernel.max_registers for kernel in capped)  # the first passes' caps on sm_90
     assert uncapped(capped) == type(capped)(*(kernel._replace(max_registers=0) for kernel in capped))
     adopted = triton_module.launch_config(torch.bfloat16, 256, 256, (9, 0))
     wide = wide_256(adopted)
-    assert (wide.fwd.block_m, wide.dkdv.block_m) == (2 * adopted.fwd.block_m, 2 * adopted.dkdv.block_m)
-    assert wide._replace(fwd=adopted.fwd, dkdv=adopted.dkdv) == adopted
+    assert all(new.block_m == 2 * old.block_m for new, old in zip(wide, adopted))
+    assert wide.dq.num_warps == 2 * adopted.dq.num_warps
     assert wide.fwd._replace(block_m=adopted.fwd.block_m) == adopted.fwd
     assert wide.dkdv._replace(block_m=adopted.dkdv.block_m) == adopted.dkdv
+    assert wide.dq._replace(block_m=adopted.dq.block_m, num_warps=adopted.dq.num_warps) == adopted.dq
 
 
 @pytest.mark.skipif(not triton_module.INTERPRETED and not torch.cuda.is_available(),
@@ -681,12 +682,12 @@ def test_sweep_stops_at_its_time_budget():
 @pytest.mark.skipif(not triton_module.INTERPRETED, reason="the wide tiles are sm_90's; a CPU runs any under the "
                                                           "interpreter")  # fmt: skip
 def test_the_wide_variant_computes_eq_12():
-    """The wide variant's tiles (the forward's blocks of 32 queries and tiles of 32 keys, dQ's blocks of 16 queries,
-    dK/dV's blocks of 16 keys against tiles of 64 queries) at head size 160 (bucket 256), under the interpreter: outputs
-    and gradients against the float64 reference, causal with key padding, key 20's value repeated at query 40 (a pair
-    for the exact passes; test_repeated_values checks that the backward finds the forward's flags at its tiles)."""
+    """The wide variant's tiles (the forward's and dQ's blocks of 32 queries against tiles of 32 keys, dK/dV's blocks
+    of 16 keys against tiles of 64 queries) at head size 160 (bucket 256), under the interpreter: outputs and gradients
+    against the float64 reference, causal with key padding, key 20's value repeated at query 40 (a pair for the exact
+    passes; test_repeated_values checks that the backward finds the forward's flags at its tiles)."""
     config = wide_256(triton_module.launch_config(torch.bfloat16, 256, 256, (9, 0)))
-    assert (config.fwd.block_m, config.fwd.block_n, config.dq.block_m, config.dkdv.block_n) == (32, 32, 16, 16)
+    assert (config.fwd.block_m, config.fwd.block_n, config.dq.block_m, config.dkdv.block_n) == (32, 32, 32, 16)
     shape = (2, 2, 70, 70, 160, 160)
     inputs, p = make_inputs(*shape, torch.float16)
     with torch.no_grad():
