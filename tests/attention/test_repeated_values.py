@@ -208,34 +208,43 @@ def test_triton_redoes_exactly_the_blocks_with_close_pairs(monkeypatch, two_pass
                          for name, flagged in expected.items()}  # fmt: skip
 
 
+def _flag_test_config():
+    """The launch configuration whose tiles the flag tests set: this GPU's for head size 16, or the interpreter's."""
+    if ON_CUDA:
+        return triton_module.launch_config(torch.float32, 16, 16, torch.cuda.get_device_capability(DEVICE))
+    return triton_configs.INTERPRETER_CONFIG
+
+
+def _gradients_of_one_pass(query, key, value, config, flags, exact):
+    """q's, k's and v's gradients, starting as NaN, after dQ's and dK/dV's exact passes alone (``exact``) or their
+    first passes alone, with ``flags`` as the forward's (its query blocks', its key tiles'); causal, the paper's two p."""
+    p = [1.5, 2.5]
+    out, lse, norms, *_ = triton_module._fused_forward(query, key, value, None, None, p, True, 0, 1e-6, False,
+                                                       triton_module._flat(config))  # fmt: skip
+    grads = [torch.full_like(t, float("nan")) for t in (query, key, value)]
+    delta = torch.empty_like(lse[0])
+    grad_v_own = torch.full(out.shape, float("nan"), device=DEVICE)
+    for launch in triton_module.backward_launches(query, key, value, norms, None, None, torch.randn_like(out), out,
+                                                  lse, delta, delta, *grads, grad_v_own, flags, p, True, 1e-6, False,
+                                                  config):  # fmt: skip
+        if bool(launch.meta["PASS"]) == exact:
+            triton_module._run(launch, query, value)
+    return grads
+
+
 @pytest.mark.skipif(TRITON_MISSING, reason="triton is not installed (pip install triton)")
 def test_triton_backward_passes_split_blocks_by_the_forward_flags():
     """dQ's and dK/dV's first passes leave every block the forward flagged and test none of their own; their exact
     passes leave the others. Gradients start as NaN: with every flag set the first passes write none of them, with
     none the exact passes write none; the other pass writes them all, finite."""
-    shape, p = (1, 2, 40, 40, 16, 16), [1.5, 2.5]
-    query, key, value = (t.detach() for t in make_inputs(*shape, torch.float32)[0])
-    config = triton_configs.INTERPRETER_CONFIG
-    if ON_CUDA:
-        config = triton_module.launch_config(query.dtype, 16, 16, torch.cuda.get_device_capability(DEVICE))
-    config = config.with_blocks(16, 16)
-    out, lse, norms, *_ = triton_module._fused_forward(query, key, value, None, None, p, True, 0, 1e-6, False,
-                                                       triton_module._flat(config))  # fmt: skip
-    grad_out = torch.randn_like(out)
+    query, key, value = (t.detach() for t in make_inputs(1, 2, 40, 40, 16, 16, torch.float32)[0])
+    config = _flag_test_config().with_blocks(16, 16)
     for flagged in (True, False):
         for exact in (False, True):
             flags = [torch.full((count,), int(flagged), dtype=torch.int32, device=DEVICE)
                      for count in triton_module.exact_block_counts(query, key, config)]  # fmt: skip
-            grads = [torch.full_like(t, float("nan")) for t in (query, key, value)]
-            delta = torch.empty_like(lse[0])
-            grad_v_own = torch.full(out.shape, float("nan"), device=DEVICE)
-            for launch in triton_module.backward_launches(query, key, value, norms, None, None, grad_out, out, lse,
-                                                          delta, delta, *grads, grad_v_own, flags, p, True, 1e-6,
-                                                          False, config):  # fmt: skip
-                if bool(launch.meta["PASS"]) == exact:
-                    triton_module._run(launch, query, value)
             written = flagged == exact
-            for grad in grads:
+            for grad in _gradients_of_one_pass(query, key, value, config, flags, exact):
                 assert torch.isfinite(grad).all() if written else torch.isnan(grad).all(), (flagged, exact)
 
 
@@ -246,34 +255,22 @@ def test_triton_backward_blocks_follow_the_forward_flags_at_the_forward_tiles(fo
     dK/dV's blocks 64). With one forward query block and one forward key tile flagged, the exact passes alone write
     the gradients of exactly the dQ blocks holding a flagged query block's queries and of the dK/dV blocks holding a
     flagged key tile's keys; the first passes alone write the others. Gradients start as NaN."""
-    shape, p = (1, 2, 70, 70, 16, 16), [1.5, 2.5]
+    shape = (1, 2, 70, 70, 16, 16)
     query, key, value = (t.detach() for t in make_inputs(*shape, torch.float32)[0])
-    config = triton_configs.INTERPRETER_CONFIG
-    if ON_CUDA:
-        config = triton_module.launch_config(query.dtype, 16, 16, torch.cuda.get_device_capability(DEVICE))
+    config = _flag_test_config()
     config = triton_configs.LaunchConfig(fwd=config.fwd._replace(block_m=forward, block_n=forward),
                                          dkdv=config.dkdv._replace(block_m=16, block_n=backward),
                                          dq=config.dq._replace(block_m=backward, block_n=16))  # fmt: skip
-    out, lse, norms, *_ = triton_module._fused_forward(query, key, value, None, None, p, True, 0, 1e-6, False,
-                                                       triton_module._flat(config))  # fmt: skip
-    grad_out = torch.randn_like(out)
-    counts = triton_module.exact_block_counts(query, key, config)
     flagged_block, slabs = 1, shape[0] * shape[1]  # the forward's query block and key tile 1 of every (batch, head)
     flags = [torch.tensor([int(block % (count // slabs) == flagged_block) for block in range(count)],
-                          dtype=torch.int32, device=DEVICE) for count in counts]  # fmt: skip
+                          dtype=torch.int32, device=DEVICE)
+             for count in triton_module.exact_block_counts(query, key, config)]  # fmt: skip
     expected = _rows_of_blocks_touching(shape[2], backward, forward, flagged_block)
     for exact in (False, True):
-        grads = [torch.full_like(t, float("nan")) for t in (query, key, value)]
-        delta = torch.empty_like(lse[0])
-        grad_v_own = torch.full(out.shape, float("nan"), device=DEVICE)
-        for launch in triton_module.backward_launches(query, key, value, norms, None, None, grad_out, out, lse, delta,
-                                                      delta, *grads, grad_v_own, flags, p, True, 1e-6, False,
-                                                      config):  # fmt: skip
-            if bool(launch.meta["PASS"]) == exact:
-                triton_module._run(launch, query, value)
+        grads = _gradients_of_one_pass(query, key, value, config, flags, exact)
         for grad in grads[:2]:  # dQ's rows are queries, dK's keys; dV has a part of each
             written = torch.isfinite(grad).all(-1)
-            assert torch.isfinite(grad[written]).all() and torch.isnan(grad[~written]).all()
+            assert torch.isnan(grad[~written]).all()  # each row written whole or not at all
             assert written.cpu().equal((expected if exact else ~expected).expand_as(written)), (exact, written)
 
 
