@@ -349,18 +349,28 @@ def test_compiles_without_graph_breaks():
                                    atol=1e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("name", ["mistral-window", pytest.param("llama4-chunked", marks=pytest.mark.slow)])
-def test_windows_and_chunks_break_the_graph_only_where_the_mask_is_made(name):
-    """torch.compile cannot trace how plap_mask tells a sliding window or chunks apart: it calls that outside its
-    graphs, once per mask, and traces the layers whole around it; the compiled model gives the eager logits."""
-    model = family(name, "plap")
+@pytest.mark.parametrize("name, padded", [("mistral-window", True), ("qwen3", False),
+                                          pytest.param("llama4-chunked", True, marks=pytest.mark.slow)])
+def test_windows_chunks_and_possible_packing_break_the_graph_only_where_the_mask_is_made(name, padded):
+    """torch.compile cannot trace how plap_mask tells a sliding window, chunks or packed rows apart: it calls that
+    outside its graphs, once per mask, and traces the layers whole around it; the compiled model gives the eager
+    logits. Without an attention mask or a cache every traced call counts as packed rows (transformers cannot read
+    position_ids on the host while it traces), and an attention mask of ones keeps plain causal attention whole
+    (fullgraph)."""
+    model = family(name, "plap", use_cache=False)
     input_ids, attention_mask = batch()
+    inputs = dict(attention_mask=attention_mask) if padded else {}
     with torch.no_grad():
-        expected = model(input_ids, attention_mask=attention_mask).logits
+        expected = model(input_ids, **inputs).logits
         torch._dynamo.reset()
-        explained = torch._dynamo.explain(model)(input_ids, attention_mask=attention_mask)
+        explained = torch._dynamo.explain(model)(input_ids, **inputs)
         torch._dynamo.reset()
-        compiled = torch.compile(model, backend="aot_eager")(input_ids, attention_mask=attention_mask).logits
+        compiled = torch.compile(model, backend="aot_eager")(input_ids, **inputs).logits
+        if not padded:
+            torch._dynamo.reset()
+            whole = torch.compile(model, backend="aot_eager", fullgraph=True)
+            torch.testing.assert_close(whole(input_ids, attention_mask=torch.ones_like(input_ids)).logits, expected,
+                                       atol=1e-5, rtol=1e-4)
     assert explained.break_reasons and all(reason.user_stack[-1].name == "plap_mask"
                                            for reason in explained.break_reasons)  # fmt: skip
     torch.testing.assert_close(compiled, expected, atol=1e-5, rtol=1e-4)
