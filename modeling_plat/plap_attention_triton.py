@@ -444,9 +444,11 @@ def exact_pass_alone(query, key):
 
 def _exact_flags(query, key, config, alone):
     """The forward's int32 flags (``exact_block_counts``): its query blocks', written by its first pass, and its key
-    tiles', zeroed by its first pass and set by its exact pass; none where every kernel runs its exact pass alone."""
+    tiles', zeroed by its first pass and set by its exact pass; none where every kernel runs its exact pass alone.
+    torch.empty, not new_empty: AOTAutograd's common-subexpression pass merges equal new_empty calls (it leaves empty
+    alone), and with as many blocks as tiles both flags were one tensor under torch.compile, which then copied one."""
     counts = (0, 0) if alone else exact_block_counts(query, key, config)
-    return tuple(query.new_empty(count, dtype=torch.int32) for count in counts)
+    return tuple(torch.empty(count, dtype=torch.int32, device=query.device) for count in counts)
 
 
 @eager_cache

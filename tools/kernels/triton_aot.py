@@ -169,6 +169,25 @@ class _AnalysisFailure(logging.Handler):
         self.failed = record.getMessage()
 
 
+@contextlib.contextmanager
+def torch_analysis_for(arch):
+    """A context in which torch's analysis of the Triton kernels that torch.compile traces (which tensors each launch
+    writes) compiles them for sm_<arch>, with no GPU or driver: it yields the handler that catches the warning with
+    which the analysis gives up, if it does."""
+    import triton
+    from torch._higher_order_ops import triton_kernel_wrap
+
+    failure, logger = _AnalysisFailure(), logging.getLogger(triton_kernel_wrap.__name__)
+    driver, previous = triton.runtime.driver, triton.runtime.driver._active
+    driver.set_active(_StandInDriver(arch))
+    logger.addHandler(failure)
+    try:
+        yield failure
+    finally:
+        logger.removeHandler(failure)
+        driver._active = previous  # as it was: its ``active`` would create the CUDA driver
+
+
 def written_arguments(launch, arch):
     """(written, overlaps): the names of the tensor arguments that torch.compile takes as written by a launch, and the
     pairs (written, other) of its tensor arguments that share memory (one storage, overlapping or not). ``written``
@@ -179,7 +198,6 @@ def written_arguments(launch, arch):
     kept apart (torch's own note in its functionalization of kernel launches; measured on an H200 with torch 2.11:
     with euler's logsumexp and own weights two views of one tensor, a compiled call at 2k tokens gave a wrong dV).
     ``written`` is None where the analysis failed: torch then takes every tensor as written."""
-    import triton
     from torch._higher_order_ops import triton_kernel_wrap
 
     from modeling_plat.triton_launcher import UNTRACED_OPTIONS
@@ -188,15 +206,8 @@ def written_arguments(launch, arch):
     tensors = dict(zip(names, launch.args[: launch.tensors]))
     kwargs = dict(zip(names, launch.args))
     kwargs.update((name, value) for name, value in launch.meta.items() if name not in UNTRACED_OPTIONS)
-    failure, logger = _AnalysisFailure(), logging.getLogger(triton_kernel_wrap.__name__)
-    driver, previous = triton.runtime.driver, triton.runtime.driver._active
-    driver.set_active(_StandInDriver(arch))
-    logger.addHandler(failure)
-    try:
+    with torch_analysis_for(arch) as failure:
         accesses = triton_kernel_wrap.identify_accessed_tensors(launch.kernel, kwargs, {})
-    finally:
-        logger.removeHandler(failure)
-        driver._active = previous  # as it was: its ``active`` would create the CUDA driver
     written = sorted(dep.name for dep in accesses.read_writes.writes if dep.name in tensors)
     overlaps = [(name, other) for name in written for other in tensors
                 if other != name and _one_storage(tensors[name], tensors[other])]  # fmt: skip
