@@ -20,6 +20,7 @@ interpreted, so this runs in a process without TRITON_INTERPRET:
 import collections
 import json
 import sys
+from types import SimpleNamespace
 
 import torch
 
@@ -48,8 +49,7 @@ def call_inputs(case):
 
     dtype, heads = DTYPES[case["dtype"]], len(case_p(case))
     nq, nk, d, dv = case["num_queries"], case["num_keys"], case["head_dim"], case["value_dim"]
-    generator = torch.Generator().manual_seed(0)
-    query, key, value = (torch.randn(2, heads, length, size, generator=generator, dtype=dtype).requires_grad_()
+    query, key, value = (torch.zeros(2, heads, length, size, dtype=dtype, requires_grad=True)
                          for length, size in ((nq, d), (nk, d), (nk, dv)))  # fmt: skip
     kwargs = dict(
         p=case_p(case),
@@ -107,30 +107,20 @@ def graph_report(graph):
     the tensors it still clones, in the graph's order; and the count of each other operation."""
     from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table, triton_kernel_wrapper_functional
     from torch._inductor.fx_passes.reinplace import reinplace_inplaceable_ops_core
-    from torch._inductor.virtualized import V
-    from torch._subclasses.fake_tensor import FakeTensorMode
 
     from modeling_plat import plap_attention_triton as triton_module
 
-    with V.set_fake_mode(FakeTensorMode()):
-        reinplace_inplaceable_ops_core(graph.graph)
+    reinplace_inplaceable_ops_core(graph.graph)
     launched, operations = [], collections.Counter()
     for node in graph.graph.nodes:
         if node.target is triton_kernel_wrapper_functional:
             kernel = _jit_function(kernel_side_table.get_kernel(node.kwargs["kernel_idx"]))
-            launch = _Launch(kernel, {"PASS": node.kwargs["kwargs"]["PASS"]})
+            launch = SimpleNamespace(kernel=kernel, meta={"PASS": node.kwargs["kwargs"]["PASS"]})  # as kernel_name reads
             launched.append(dict(kernel=kernel_name(triton_module, launch),
                                  clones=sorted(node.kwargs["tensors_to_clone"])))  # fmt: skip
         elif node.op == "call_function" and node.target.__module__ != "_operator":  # getitem: an output's part
             operations[str(node.target)] += 1
     return launched, dict(operations)
-
-
-class _Launch:
-    """What ``triton_aot.kernel_name`` reads of a launch."""
-
-    def __init__(self, kernel, meta):
-        self.kernel, self.meta = kernel, meta
 
 
 def _jit_function(kernel):
