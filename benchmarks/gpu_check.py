@@ -56,7 +56,8 @@ and main-job), this script runs them within the budget and writes the record:
 - compile: bfloat16 plap_attention compiled (fullgraph) against eager at the paper LM's shape and a causal 2k, each
   formulation: the output and the gradients of q, k and v within bfloat16's tolerance (the kernels as Inductor
   launches them, their written arguments functionalized) and the compiled forward + backward's time against eager's
-  (``timing``, each p-LaT kernel's too: Inductor compiles the kernels without their register caps); the plat-ptb-tiny
+  (``timing``, each p-LaT kernel's too: Inductor compiles the kernels without their register caps; and the call's
+  other kernels in both, how many, their time and names); the plat-ptb-tiny
   and plat-llama-tiny presets' training steps under torch.compile(fullgraph=True) against eager (the first call's
   time, which precompilation shortens to what its caches leave, then steps and ratio_to_eager, graphs, graph
   breaks), the first also with mode="reduce-overhead" (CUDA graphs), and greedy generation with model.forward

@@ -193,10 +193,12 @@ def compiled_generation_row(preset, model, device, compiler, new_tokens):
 def compiled_attention_row(name, shape, formulation, device, compiler, warmup, repeats):
     """plap_attention's output and the gradients of q, k and v, compiled (fullgraph) against eager on the same inputs:
     on a GPU the fused kernels as Inductor launches them, with their arguments functionalized (each tensor a kernel
-    writes is cloned and copied back), which an argument that aliased a written one would break. ``timing``: the
-    compiled forward + backward against the eager one, side by side, and each p-LaT kernel's microseconds per call in
-    both (``plap_kernel_us``, over HOST_REPEATS calls): Inductor compiles the kernels without their register caps
-    (docs/models.md)."""
+    writes is a clone, which Inductor's reinplacing turns back into the tensor where nothing reads it after:
+    tools/kernels/compiled_graph.py), which an argument that aliased a written one would break. ``timing``: the
+    compiled forward + backward against the eager one, side by side, each p-LaT kernel's microseconds per call in
+    both (``plap_kernel_us``, over HOST_REPEATS calls: Inductor compiles the kernels without their register caps,
+    docs/models.md), and the other kernels of a call in both (``other_kernels``: how many, their microseconds, their
+    names), where a copy or an operation that one side fuses and the other does not shows."""
     batch, heads, length, head_dim, causal = shape
     q, k, v, grad_out = bf16_attention_inputs(batch, heads, length, head_dim, device)
     p = tuple(paper_p_mix(heads))
@@ -232,9 +234,18 @@ def compiled_attention_row(name, shape, formulation, device, compiler, warmup, r
             kernel: {name: kernels[name].get(kernel, {}).get("us") for name in steps}
             for kernel in sorted({*kernels["compiled"], *kernels["eager"]}) if kernel.startswith("plap_")
         }  # fmt: skip
+        row["timing"]["other_kernels"] = {name: other_kernels(kernels[name]) for name in steps}
     except Exception as error:
         row["timing"].update(error_fields(error))
     return row
+
+
+def other_kernels(kernels):
+    """What ``kernel_times`` measured of a call's kernels other than p-LaT's: launches and microseconds per call,
+    and their names."""
+    others = {name: kernel for name, kernel in kernels.items() if not name.startswith("plap_")}
+    return dict(launches=sum(kernel["launches"] for kernel in others.values()),
+                us=sum(kernel["us"] for kernel in others.values()), names=sorted(others))  # fmt: skip
 
 
 def preset_row(preset, kind, device, compiler, batch, warmup, repeats, new_tokens):

@@ -19,7 +19,7 @@ from gpu_sections.kernels import (CONFIG_VARIANTS, HOST_PROFILE_TOP, KERNEL_CASE
                                   launch_costs, token_values, uncapped, wide_256)  # fmt: skip
 from gpu_sections.measure import backend_spy, no_log, paired_ratio, relative_error, side_by_side
 from gpu_sections.models import (COMPILE_PRESETS, compile_section, decode_section, main_job_arguments, main_job_section,
-                                 train_section)  # fmt: skip
+                                 other_kernels, train_section)  # fmt: skip
 from gpu_sections.sweep import (FEW_HEAD_DIMS, HEAD_DIMS, REPEATS, SQUARE, attend, case_name, each_document_alone,
                                 interleaved, judge, make_case_inputs, run_case, run_sweep, sweep_cases,
                                 sweep_section)  # fmt: skip
@@ -456,6 +456,13 @@ def test_train_section_on_cpu():
     assert softmax["backends"] == {}  # p = 2: SDPA, no choice made
 
 
+def test_other_kernels_of_a_call_are_the_ones_not_of_p_lat():
+    kernels = {"plap_forward_kernel": dict(launches=2, us=40.0), "triton_poi_fused_clone_0": dict(launches=1, us=1.5),
+               "vectorized_elementwise_kernel": dict(launches=3, us=2.25)}
+    assert other_kernels(kernels) == dict(launches=4, us=3.75,
+                                          names=["triton_poi_fused_clone_0", "vectorized_elementwise_kernel"])
+
+
 def test_compile_section_on_cpu(tmp_path):
     """A one-layer plat-ptb-tiny, so that tracing takes seconds."""
     preset = tmp_path / "config.json"
@@ -474,6 +481,7 @@ def test_compile_section_on_cpu(tmp_path):
         assert timing["ratio_range"][0] == timing["ratio_to_eager"] == timing["ratio_range"][1] > 0, timing
         assert timing["step_ms"] > 0 and timing["eager_ms"] > 0 and timing["backends"] == {}, timing  # traced once
         assert all(kernel.startswith("plap_") for kernel in timing["plap_kernel_us"]), timing  # CUDA kernels only
+        assert set(timing["other_kernels"]) == {"compiled", "eager"}, timing
     assert "error" not in step and step["graph_breaks"] == 0 and step["graphs"] == 1, step
     (chosen,) = step["backends"]  # the backend compiled in is the one eager runs
     assert step["ratio_to_eager"] > 0 and step["backends"] == {chosen: 1}  # 3 calls, counted once while tracing
