@@ -26,6 +26,8 @@ COMPILE_PRESETS = ("plat-ptb-tiny", "plat-llama-tiny")
 # plap_attention compiled against eager, bfloat16, the paper's p mix, each formulation: the paper LM's shape (each
 # kernel's exact pass alone) and a causal 2k (first passes, then exact passes).
 COMPILED_ATTENTION_SHAPES = {"paper-lm": ATTENTION_SHAPES["paper-lm"], "2k": (2, 4, 2048, 64, True)}
+# (formulation, whether Inductor launches the kernels with its static launcher) of the compiled attention rows.
+ATTENTION_VARIANTS = (("paper", False), ("euler", False), ("paper", True))
 CUDA_GRAPHS_PRESET = "plat-ptb-tiny"
 # Steps over which a training step's host time and its kernels are measured, after the timed rounds.
 HOST_REPEATS = 3
@@ -190,7 +192,11 @@ def compiled_generation_row(preset, model, device, compiler, new_tokens):
                 tokens_equal_eager=torch.equal(tokens, expected), backends=dict(chosen), **dynamo_counts())  # fmt: skip
 
 
-def compiled_attention_row(name, shape, formulation, device, compiler, warmup, repeats):
+def attention_row_name(shape_name, formulation, static_launch):
+    return f"{shape_name}/attention-{formulation}" + ("-static-launch" if static_launch else "")
+
+
+def compiled_attention_row(name, shape, formulation, device, compiler, warmup, repeats, static_launch=False):
     """plap_attention's output and the gradients of q, k and v, compiled (fullgraph) against eager on the same inputs:
     on a GPU the fused kernels as Inductor launches them, with their arguments functionalized (each tensor a kernel
     writes is a clone, which Inductor's reinplacing turns back into the tensor where nothing reads it after:
@@ -198,12 +204,15 @@ def compiled_attention_row(name, shape, formulation, device, compiler, warmup, r
     compiled forward + backward against the eager one, side by side, each p-LaT kernel's microseconds per call in
     both (``plap_kernel_us``, over HOST_REPEATS calls: Inductor compiles the kernels without their register caps,
     docs/models.md), and the other kernels of a call in both (``other_kernels``: how many, their microseconds, their
-    names), where a copy or an operation that one side fuses and the other does not shows."""
+    names), where a copy or an operation that one side fuses and the other does not shows. ``static_launch``: Inductor
+    launches the kernels with its own launcher (``static_launch_user_defined_triton_kernels``, off by default in torch
+    2.13: user kernels then go through Triton's), the host cost its compiled calls pay per launch."""
     batch, heads, length, head_dim, causal = shape
     q, k, v, grad_out = bf16_attention_inputs(batch, heads, length, head_dim, device)
     p = tuple(paper_p_mix(heads))
-    row = dict(name=f"{name}/attention-{formulation}", kind="attention", formulation=formulation, batch=batch,
-               heads=heads, length=length, head_dim=head_dim, causal=causal)  # fmt: skip
+    row = dict(name=attention_row_name(name, formulation, static_launch), kind="attention", formulation=formulation,
+               static_launch=static_launch, batch=batch, heads=heads, length=length, head_dim=head_dim,
+               causal=causal)  # fmt: skip
 
     def attend(q, k, v):
         return plap_attention(q, k, v, p, is_causal=causal, formulation=formulation)
@@ -215,7 +224,10 @@ def compiled_attention_row(name, shape, formulation, device, compiler, warmup, r
     expected = forward_backward(attend)
     fresh_dynamo()
     compiled_attend = torch.compile(attend, backend=compiler, fullgraph=True)
-    with backend_spy() as chosen:
+    # Strict: a kernel that Inductor's launcher cannot take fails the row with the reason, rather than falling back.
+    launcher = torch._inductor.config.patch(static_launch_user_defined_triton_kernels=static_launch,
+                                            strict_static_cuda_launcher=static_launch)  # fmt: skip
+    with backend_spy() as chosen, launcher:  # the first call compiles both graphs
         compiled = forward_backward(compiled_attend)
     errors = {part: relative_error(ours, reference)
               for part, ours, reference in zip(("out", "grad_q", "grad_k", "grad_v"), compiled, expected)}  # fmt: skip
@@ -266,13 +278,15 @@ def preset_row(preset, kind, device, compiler, batch, warmup, repeats, new_token
 def compile_runs(device, presets=COMPILE_PRESETS, cuda_graphs_preset=CUDA_GRAPHS_PRESET, compiler="inductor", batch=32,
                  warmup=3, repeats=10, new_tokens=12, attention_shapes=COMPILED_ATTENTION_SHAPES):  # fmt: skip
     """(fields, run) of each row of the compile section, run() -> the row, ``fields`` the name and kind that a row
-    which raised keeps: plap_attention compiled at each of ``attention_shapes`` in each formulation, then each preset's
-    training step and generation, and the ``cuda_graphs_preset``'s training step under CUDA graphs."""
+    which raised keeps: plap_attention compiled at each of ``attention_shapes`` in each of ``ATTENTION_VARIANTS``,
+    then each preset's training step and generation, and the ``cuda_graphs_preset``'s training step under CUDA
+    graphs."""
     runs = []
-    for (name, shape), formulation in itertools.product(attention_shapes.items(), ("paper", "euler")):
-        runs.append((dict(name=f"{name}/attention-{formulation}", kind="attention"),
+    for (name, shape), (formulation, static_launch) in itertools.product(attention_shapes.items(),
+                                                                         ATTENTION_VARIANTS):  # fmt: skip
+        runs.append((dict(name=attention_row_name(name, formulation, static_launch), kind="attention"),
                      functools.partial(compiled_attention_row, name, shape, formulation, device, compiler, warmup,
-                                       repeats)))  # fmt: skip
+                                       repeats, static_launch)))  # fmt: skip
     for preset in presets:
         kinds = ("train-step", "train-step-cuda-graphs") if preset == cuda_graphs_preset else ("train-step",)
         for kind in (*kinds, "generate"):

@@ -471,9 +471,10 @@ def test_compile_section_on_cpu(tmp_path):
     rows = compile_section(CPU, no_log, presets=(str(preset),), cuda_graphs_preset=str(preset),
                            compiler="aot_eager", batch=2, warmup=1, repeats=1, new_tokens=3,
                            attention_shapes={"tiny": (2, 2, 24, 16, True)})  # fmt: skip
-    paper, euler, step, graphs, generate = rows
-    for row, formulation in ((paper, "paper"), (euler, "euler")):
-        assert row["name"] == f"tiny/attention-{formulation}" and not row["failures"], row
+    paper, euler, static, step, graphs, generate = rows
+    for row, name in ((paper, "paper"), (euler, "euler"), (static, "paper-static-launch")):
+        assert row["name"] == f"tiny/attention-{name}" and not row["failures"], row
+        assert row["static_launch"] == (row is static)
         assert row["graph_breaks"] == 0 and row["graphs"] == 1 and sum(row["backends"].values()) == 1
         assert set(row["errors"]) == {"out", "grad_q", "grad_k", "grad_v"}
         assert all(error <= row["tolerance"] for error in row["errors"].values())

@@ -76,7 +76,8 @@ def test_each_section_s_jobs_are_its_rows_and_pickle():
     )  # fmt: skip
     assert {name: [label for label, _ in jobs] for name, jobs in sections.items()} == dict(
         attention=["attention tiny"], kernels=["kernels tiny", "kernels tiny-uncapped"], train=["train ptb"],
-        compile=["compile tiny/attention-paper", "compile tiny/attention-euler", "compile preset/train-step",
+        compile=["compile tiny/attention-paper", "compile tiny/attention-euler",
+                 "compile tiny/attention-paper-static-launch", "compile preset/train-step",
                  "compile preset/train-step-cuda-graphs", "compile preset/generate"],
     )  # fmt: skip
     for jobs in sections.values():
@@ -118,7 +119,7 @@ from gpu_sections.models import compile_jobs
 from gpu_sections.precompile import COMPILE_THREADS, precompile
 
 def main(cache):
-    (label, run), _ = compile_jobs(torch.device("cpu"), presets=(), compiler="inductor",
+    (label, run), *_ = compile_jobs(torch.device("cpu"), presets=(), compiler="inductor",
                                    attention_shapes={"precompiled": (2, 2, 40, 16, True)})
     done = precompile([(label, run)], workers=1)
     before = {str(path) for path in Path(cache).rglob("*") if path.is_file()}
