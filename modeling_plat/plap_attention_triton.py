@@ -208,40 +208,57 @@ def _slab_blocks(kernel, config, num_queries, num_keys):
     return _ceil_div(num_queries, config.block_m)
 
 
+def _fixed_block(kernel):
+    """The KernelConfig field of a backward kernel's fixed block: dK/dV's keys, dQ's queries."""
+    return "block_n" if kernel is plap_dkdv_kernel else "block_m"
+
+
+def _passes(kernel, config, exact_only):
+    """(PASS, KernelConfig) of each launch of a kernel's heads: its first pass then its exact pass, or that alone; a
+    backward kernel's exact pass with its own fixed block where ``config.exact_block`` gives one."""
+    exact = config
+    if config.exact_block:
+        fixed = _fixed_block(kernel)
+        if kernel is plap_forward_kernel or getattr(config, fixed) % config.exact_block:
+            raise ValueError(f"exact_block={config.exact_block} must divide a backward kernel's fixed block: {config}")
+        exact = config._replace(**{fixed: config.exact_block}, exact_block=0)
+    if exact_only:
+        return ((EXACT_ALONE, exact),)
+    return (FIRST_PASS, config), (EXACT_PASS, exact)
+
+
 def _launch_plan(kernel, config, shape, strides, p, is_causal, window, has_key_mask, has_documents, euler, eps,
                  exact_only, flag_block, keyed):  # fmt: skip
     """(kernel, grid, scalar arguments, meta, PlanKey) of each launch of ``kernel`` (``launch_groups``), its first pass
-    then its exact pass (or that alone): what the shapes and layouts settle (``call_plan``; no PlanKey unless
-    ``keyed``). ``shape`` is (B, H, Nq, Nk, d, dv), ``strides`` those of q, k, v and the output (``kernel_strides``),
-    ``window`` the sliding window's size (0: none); a backward kernel's ``flag_block`` is the size of the forward's
-    blocks (dq) or key tiles (dk/dv) that its flags cover."""
+    then its exact pass (or that alone, ``_passes``): what the shapes and layouts settle (``call_plan``; no PlanKey
+    unless ``keyed``). ``shape`` is (B, H, Nq, Nk, d, dv), ``strides`` those of q, k, v and the output
+    (``kernel_strides``), ``window`` the sliding window's size (0: none); a backward kernel's ``flag_block`` is the
+    size of the forward's blocks (dq) or key tiles (dk/dv) that its flags cover."""
     batch, heads, num_queries, num_keys, head_dim, value_dim = shape
-    blocks = _slab_blocks(kernel, config, num_queries, num_keys)
     slab_strides, (q_rows, k_rows, v_rows, out_rows) = strides
     plan = []
     for first, end, power, low, high, high_heads in launch_groups(p, exact_only):
-        meta = dict(HEAD_DIM=head_dim, VALUE_DIM=value_dim, BLOCK_D=padded_head_size(head_dim),
-                    BLOCK_DV=padded_head_size(value_dim), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-                    POWER=power, IS_CAUSAL=is_causal, HAS_WINDOW=window > 0,
-                    HAS_KEY_MASK=has_key_mask, HAS_DOCUMENTS=has_documents, EULER=euler, HEAD_CHUNK=config.head_chunk,
-                    num_warps=config.num_warps,
-                    num_stages=config.num_stages, enable_fp_fusion=FP_FUSION, Q_ROW_STRIDE=q_rows,
-                    K_ROW_STRIDE=k_rows, V_ROW_STRIDE=v_rows, OUT_ROW_STRIDE=out_rows)  # fmt: skip
-        if flag_block is not None:
-            meta.update(FLAG_BLOCK=flag_block, SUMS_BY_MATMUL=bool(config.sums_by_matmul))
         # The row statistics' second plane (euler's own weights) starts batch * heads * num_queries in.
         sizes = (first, end - first, heads, num_queries, num_keys, window, LOG2_E / math.sqrt(head_dim),
                  (low - 2) / 2, (high - 2) / 2, high_heads, eps, batch * heads * num_queries,
                  *slab_strides)  # fmt: skip
-        grid = (blocks * batch * (end - first),)
-        if exact_only:
-            passes = [dict(meta, PASS=int(EXACT_ALONE))]
-        else:
-            passes = [dict(meta, PASS=int(FIRST_PASS)), dict(meta, PASS=int(EXACT_PASS))]
-            if config.max_registers and not (has_key_mask or has_documents):
-                passes[0]["maxnreg"] = config.max_registers
-        plan += [(kernel, grid, sizes, one, PlanKey((kernel, grid, sizes, tuple(one.items()))) if keyed else None)
-                 for one in passes]  # fmt: skip
+        for pass_id, tiles in _passes(kernel, config, exact_only):
+            meta = dict(HEAD_DIM=head_dim, VALUE_DIM=value_dim, BLOCK_D=padded_head_size(head_dim),
+                        BLOCK_DV=padded_head_size(value_dim), BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
+                        POWER=power, IS_CAUSAL=is_causal, HAS_WINDOW=window > 0,
+                        HAS_KEY_MASK=has_key_mask, HAS_DOCUMENTS=has_documents, EULER=euler,
+                        HEAD_CHUNK=config.head_chunk, num_warps=config.num_warps,
+                        num_stages=config.num_stages, enable_fp_fusion=FP_FUSION, Q_ROW_STRIDE=q_rows,
+                        K_ROW_STRIDE=k_rows, V_ROW_STRIDE=v_rows, OUT_ROW_STRIDE=out_rows)  # fmt: skip
+            if flag_block is not None:
+                meta.update(FLAG_BLOCK=flag_block, PASS_BLOCK=getattr(config, _fixed_block(kernel)),
+                            SUMS_BY_MATMUL=bool(config.sums_by_matmul))  # fmt: skip
+            meta["PASS"] = int(pass_id)
+            if pass_id == FIRST_PASS and config.max_registers and not (has_key_mask or has_documents):
+                meta["maxnreg"] = config.max_registers
+            grid = (_slab_blocks(kernel, tiles, num_queries, num_keys) * batch * (end - first),)
+            plan.append((kernel, grid, sizes, meta, PlanKey((kernel, grid, sizes, tuple(meta.items()))) if keyed
+                         else None))  # fmt: skip
     return tuple(plan)
 
 

@@ -11,8 +11,9 @@ dv_x += 2 sum_y dL/dD2 (v_x - v_y) on the query side and the same with y and x s
 
 Each runs a first pass and an exact pass over its grid (``PASS``), split by the forward's flags: a dQ block takes the
 exact pass where the forward flagged one of its query blocks holding any of its queries, a dK/dV block where the
-forward's exact pass flagged a key tile holding any of its keys; each pass leaves the other's blocks at once. Small
-calls run the exact pass alone over every block.
+forward's exact pass flagged a key tile holding any of its keys; each pass leaves the other's blocks at once. An exact
+pass on smaller blocks than its first pass's (``KernelConfig.exact_block``) decides by the first-pass block that holds
+its own. Small calls run the exact pass alone over every block.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from __future__ import annotations
 from .triton_tiles import (
     EXACT_ALONE, EXACT_PASS, FIRST_PASS, FLOAT32_DOT, LN_2, any_set, class_exponent, close_bounds, distances,
     exact_dot, fixed_documents, float32_scalars, forward_flagged, jit, key_loop_bounds, load_rows, load_vector,
-    masked_scores, pair_dot, per_query, power, program_ids, query_loop_bounds, row_ptrs, row_sums, row_sums_init,
+    masked_scores, pair_dot, pass_block_start, per_query, power, program_ids, query_loop_bounds, row_ptrs, row_sums,
+    row_sums_init,
     rows_from, runs_head, slab_rows, squared_norms, store_rows, tile_start, times_minus_two, tl,
 )  # fmt: skip
 
@@ -159,12 +161,14 @@ def plap_dkdv_kernel(
     HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, POWER: tl.constexpr, IS_CAUSAL: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_KEY_MASK: tl.constexpr, HAS_DOCUMENTS: tl.constexpr, EULER: tl.constexpr,
-    PASS: tl.constexpr, FLAG_BLOCK: tl.constexpr, SUMS_BY_MATMUL: tl.constexpr, HEAD_CHUNK: tl.constexpr,
+    PASS: tl.constexpr, FLAG_BLOCK: tl.constexpr, PASS_BLOCK: tl.constexpr, SUMS_BY_MATMUL: tl.constexpr,
+    HEAD_CHUNK: tl.constexpr,
     Q_ROW_STRIDE: tl.constexpr, K_ROW_STRIDE: tl.constexpr, V_ROW_STRIDE: tl.constexpr, OUT_ROW_STRIDE: tl.constexpr,
 ):  # fmt: skip
     """A key block goes to the exact pass where the forward's exact pass flagged a key tile (FLAG_BLOCK keys) that
-    holds any of its keys, and to the first pass otherwise. HEAD_CHUNK as in ``plap_forward_kernel``: the block's
-    keys and values stay in memory."""
+    holds any of the keys of its first-pass block (PASS_BLOCK keys: the block itself, or the one that holds an exact
+    pass's smaller block), and to the first pass otherwise. HEAD_CHUNK as in ``plap_forward_kernel``: the block's keys
+    and values stay in memory."""
     scale_log2, exponent_low, exponent_high, eps = float32_scalars(scale_log2, exponent_low, exponent_high, eps)
     pid_n, slab, exponent = program_ids(num_keys, head_start, run_heads, num_heads, high_heads, exponent_low,
                                         exponent_high, BLOCK_N, False)  # fmt: skip
@@ -172,7 +176,8 @@ def plap_dkdv_kernel(
         return
     KeyTiles += slab * tl.cdiv(num_keys, FLAG_BLOCK)
     if PASS != EXACT_ALONE:
-        if forward_flagged(KeyTiles, pid_n * BLOCK_N, num_keys, BLOCK_N, FLAG_BLOCK) != (PASS == EXACT_PASS):
+        first = pass_block_start(pid_n, BLOCK_N, PASS_BLOCK)
+        if forward_flagged(KeyTiles, first, num_keys, PASS_BLOCK, FLAG_BLOCK) != (PASS == EXACT_PASS):
             return
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     key_strides = (stride_kb, stride_kh, K_ROW_STRIDE)
@@ -263,12 +268,14 @@ def plap_dq_kernel(
     HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, POWER: tl.constexpr, IS_CAUSAL: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_KEY_MASK: tl.constexpr, HAS_DOCUMENTS: tl.constexpr, EULER: tl.constexpr,
-    PASS: tl.constexpr, FLAG_BLOCK: tl.constexpr, SUMS_BY_MATMUL: tl.constexpr, HEAD_CHUNK: tl.constexpr,
+    PASS: tl.constexpr, FLAG_BLOCK: tl.constexpr, PASS_BLOCK: tl.constexpr, SUMS_BY_MATMUL: tl.constexpr,
+    HEAD_CHUNK: tl.constexpr,
     Q_ROW_STRIDE: tl.constexpr, K_ROW_STRIDE: tl.constexpr, V_ROW_STRIDE: tl.constexpr, OUT_ROW_STRIDE: tl.constexpr,
 ):  # fmt: skip
     """A query block goes to the exact pass where the forward flagged one of its query blocks (FLAG_BLOCK queries)
-    that holds any of this block's queries, and to the first pass otherwise. HEAD_CHUNK as in
-    ``plap_forward_kernel``: the block's queries, values and dU stay in memory."""
+    that holds any of the queries of this block's first-pass block (PASS_BLOCK queries, as dK/dV's keys), and to the
+    first pass otherwise. HEAD_CHUNK as in ``plap_forward_kernel``: the block's queries, values and dU stay in
+    memory."""
     scale_log2, exponent_low, exponent_high, eps = float32_scalars(scale_log2, exponent_low, exponent_high, eps)
     pid_m, slab, exponent = program_ids(num_queries, head_start, run_heads, num_heads, high_heads, exponent_low,
                                         exponent_high, BLOCK_M, IS_CAUSAL)  # fmt: skip
@@ -276,7 +283,8 @@ def plap_dq_kernel(
         return
     QueryBlocks += slab * tl.cdiv(num_queries, FLAG_BLOCK)
     if PASS != EXACT_ALONE:
-        if forward_flagged(QueryBlocks, pid_m * BLOCK_M, num_queries, BLOCK_M, FLAG_BLOCK) != (PASS == EXACT_PASS):
+        first = pass_block_start(pid_m, BLOCK_M, PASS_BLOCK)
+        if forward_flagged(QueryBlocks, first, num_queries, PASS_BLOCK, FLAG_BLOCK) != (PASS == EXACT_PASS):
             return
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
     query_strides = (stride_qb, stride_qh, Q_ROW_STRIDE)

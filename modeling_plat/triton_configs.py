@@ -51,6 +51,10 @@ class KernelConfig(NamedTuple):
                     matmul layout would spill (sm_80 family at head size 128)
     head_chunk      columns per step of the products over the head sizes whose operands the kernel reloads in each
                     tile, its fixed block's rows included (0: fixed rows held in registers): float32 above 64
+    exact_block     a backward kernel's exact pass's fixed block (dK/dV's keys, dQ's queries) where it is smaller
+                    than the first pass's, which it divides (0: the first pass's): the exact pass holds more in its
+                    loop and spills at blocks that the first pass keeps in registers. It then runs the first pass's
+                    flagged blocks in pieces of this size (``triton_tiles.pass_block_start``)
     """
 
     block_m: int
@@ -60,6 +64,7 @@ class KernelConfig(NamedTuple):
     max_registers: int = 0
     sums_by_matmul: bool = True
     head_chunk: int = 0
+    exact_block: int = 0
 
 
 class LaunchConfig(NamedTuple):
@@ -70,7 +75,8 @@ class LaunchConfig(NamedTuple):
     dq: KernelConfig
 
     def with_blocks(self, block_m, block_n):
-        return LaunchConfig(*(config._replace(block_m=block_m, block_n=block_n) for config in self))
+        """Every kernel, each pass, with these tiles."""
+        return LaunchConfig(*(config._replace(block_m=block_m, block_n=block_n, exact_block=0) for config in self))
 
 
 K = KernelConfig

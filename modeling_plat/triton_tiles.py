@@ -612,6 +612,16 @@ def query_loop_bounds(pid_n, num_queries, num_keys, window, span, BLOCK_M: tl.co
 
 
 @jit
+def pass_block_start(pid, BLOCK: tl.constexpr, PASS_BLOCK: tl.constexpr):
+    """The first position of the block of PASS_BLOCK positions (the first pass's fixed block) whose flags decide the
+    pass of program ``pid`` of BLOCK positions: its own block, or an exact pass's smaller one's enclosing block
+    (``KernelConfig.exact_block``)."""
+    if PASS_BLOCK == BLOCK:
+        return pid * BLOCK
+    return pid // (PASS_BLOCK // BLOCK) * PASS_BLOCK
+
+
+@jit
 def forward_flagged(Flags, first, size, SPAN: tl.constexpr, FLAG_BLOCK: tl.constexpr):
     """Whether the forward flagged a block of FLAG_BLOCK positions that holds any of [first, first + SPAN) (below
     ``size``): a backward program's own flag, its block's queries (dq) or keys (dk/dv) against the forward's query

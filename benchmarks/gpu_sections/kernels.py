@@ -72,11 +72,20 @@ def wide_256(config):
                            dq=config.dq._replace(block_m=32, num_warps=8))
 
 
+def split_256(config):
+    """``wide_256``'s forward and dQ, and dK/dV's first pass on blocks of 32 keys against query tiles of 32, which
+    load each query tile for twice as many scores as blocks of 16 (about 48 bytes per score rather than 96) and spill
+    nothing inside its loop on sm_90; its exact pass, which spills at 32 keys, on blocks of 16
+    (``KernelConfig.exact_block``: the adopted tiles)."""
+    return wide_256(config)._replace(dkdv=config.dkdv._replace(block_n=32, exact_block=16))
+
+
 # Launch configurations measured again beside the adopted ones, rows named ``<case>-<variant>``: variant -> (the cases,
 # how it changes their LaunchConfig). Compiled at 2k on an H200, dK/dV ran 10% faster uncapped
 # (benchmarks/results/README.md); head size 256 ran at 6.4x SDPA's forward + backward there, its 16-row blocks loading
 # 64 bytes per score.
-CONFIG_VARIANTS = {"uncapped": (("4k", "16k"), uncapped), "wide": (("d256-4k",), wide_256)}
+CONFIG_VARIANTS = {"uncapped": (("4k", "16k"), uncapped), "wide": (("d256-4k",), wide_256),
+                   "split": (("d256-4k",), split_256)}
 
 
 def device_events(call, device, repeats):

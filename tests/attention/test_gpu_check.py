@@ -16,7 +16,7 @@ from gpu_sections.attention import (attention_section, attention_timings, envelo
                                     timed_fields)  # fmt: skip
 from gpu_sections.kernels import (CONFIG_VARIANTS, HOST_PROFILE_TOP, KERNEL_CASES, KernelCase, against_adopted,
                                   changed_launch_configs, host_profile, host_times, kernel_times, kernels_section,
-                                  launch_costs, token_values, uncapped, wide_256)  # fmt: skip
+                                  launch_costs, split_256, token_values, uncapped, wide_256)  # fmt: skip
 from gpu_sections.measure import backend_spy, no_log, paired_ratio, relative_error, side_by_side
 from gpu_sections.models import (COMPILE_PRESETS, compile_section, decode_section, main_job_arguments, main_job_section,
                                  other_kernels, train_section)  # fmt: skip
@@ -339,7 +339,8 @@ def test_changed_launch_configs_apply_a_variant_while_inside(variant):
 
 def test_the_variants_change_what_they_name():
     """uncapped: every register cap off, nothing else; wide: the query blocks and tiles at head size 256 doubled (dQ's
-    with twice the warps), nothing else."""
+    with twice the warps), nothing else; split: wide's forward and dQ, dK/dV's first-pass blocks doubled and its exact
+    pass on the adopted ones."""
     capped = triton_module.launch_config(torch.bfloat16, 64, 64, (9, 0))
     assert any(kernel.max_registers for kernel in capped)  # the first passes' caps on sm_90
     assert uncapped(capped) == type(capped)(*(kernel._replace(max_registers=0) for kernel in capped))
@@ -350,6 +351,9 @@ def test_the_variants_change_what_they_name():
     assert wide.fwd._replace(block_m=adopted.fwd.block_m) == adopted.fwd
     assert wide.dkdv._replace(block_m=adopted.dkdv.block_m) == adopted.dkdv
     assert wide.dq._replace(block_m=adopted.dq.block_m, num_warps=adopted.dq.num_warps) == adopted.dq
+    split = split_256(adopted)
+    assert (split.fwd, split.dq) == (wide.fwd, wide.dq)
+    assert split.dkdv == adopted.dkdv._replace(block_n=2 * adopted.dkdv.block_n, exact_block=adopted.dkdv.block_n)
 
 
 @pytest.mark.skipif(not triton_module.INTERPRETED and not torch.cuda.is_available(),
@@ -688,15 +692,22 @@ def test_sweep_stops_at_its_time_budget():
     assert all(not r["failures"] for r in results)
 
 
-@pytest.mark.skipif(not triton_module.INTERPRETED, reason="the wide tiles are sm_90's; a CPU runs any under the "
+@pytest.mark.skipif(not triton_module.INTERPRETED, reason="the variants' tiles are sm_90's; a CPU runs any under the "
                                                           "interpreter")  # fmt: skip
-def test_the_wide_variant_computes_eq_12():
-    """The wide variant's tiles (the forward's and dQ's blocks of 32 queries against tiles of 32 keys, dK/dV's blocks
-    of 16 keys against tiles of 64 queries) at head size 160 (bucket 256), under the interpreter: outputs and gradients
-    against the float64 reference, causal with key padding, key 20's value repeated at query 40 (a pair for the exact
-    passes; test_repeated_values checks that the backward finds the forward's flags at its tiles)."""
-    config = wide_256(triton_module.launch_config(torch.bfloat16, 256, 256, (9, 0)))
-    assert (config.fwd.block_m, config.fwd.block_n, config.dq.block_m, config.dkdv.block_n) == (32, 32, 32, 16)
+@pytest.mark.parametrize("variant", ["wide", "split"])
+def test_the_head_size_256_variants_compute_eq_12(request, variant):
+    """The variants' tiles at head size 160 (bucket 256), under the interpreter: outputs and gradients against the
+    float64 reference, causal with key padding, key 20's value repeated at query 40 (a pair for the exact passes;
+    test_repeated_values checks that the backward finds the forward's flags at its tiles). wide: the forward's and
+    dQ's blocks of 32 queries against tiles of 32 keys, dK/dV's blocks of 16 keys against tiles of 64 queries, each
+    kernel's exact pass alone, as a call this small runs them; split: dK/dV's first pass on blocks of 32 keys and its
+    exact pass on the flagged ones' halves, both passes run."""
+    _, change = CONFIG_VARIANTS[variant]
+    config = change(triton_module.launch_config(torch.bfloat16, 256, 256, (9, 0)))
+    assert (config.fwd.block_m, config.fwd.block_n, config.dq.block_m) == (32, 32, 32)
+    assert (config.dkdv.block_n, config.dkdv.exact_block) == ((16, 0) if variant == "wide" else (32, 16))
+    if variant == "split":
+        request.getfixturevalue("two_passes")
     shape = (2, 2, 70, 70, 160, 160)
     inputs, p = make_inputs(*shape, torch.float16)
     with torch.no_grad():

@@ -249,19 +249,22 @@ def test_triton_backward_passes_split_blocks_by_the_forward_flags():
 
 
 @pytest.mark.skipif(TRITON_MISSING, reason="triton is not installed (pip install triton)")
-@pytest.mark.parametrize("forward, backward", [(32, 16), (16, 32)], ids=["forward-wider", "backward-wider"])
-def test_triton_backward_blocks_follow_the_forward_flags_at_the_forward_tiles(forward, backward):
+@pytest.mark.parametrize("forward, backward, exact_block", [(32, 16, 0), (16, 32, 0), (16, 32, 16)],
+                         ids=["forward-wider", "backward-wider", "exact-blocks-narrower"])
+def test_triton_backward_blocks_follow_the_forward_flags_at_the_forward_tiles(forward, backward, exact_block):
     """The GPUs' tables give each kernel its own tiles (on sm_90 at head size 128 the forward's key tiles are 32 keys,
     dK/dV's blocks 64). With one forward query block and one forward key tile flagged, the exact passes alone write
     the gradients of exactly the dQ blocks holding a flagged query block's queries and of the dK/dV blocks holding a
-    flagged key tile's keys; the first passes alone write the others. Gradients start as NaN."""
+    flagged key tile's keys; the first passes alone write the others. Gradients start as NaN. With exact passes on
+    smaller blocks (``exact_block``) than the first passes', they write every row of the first passes' blocks that
+    they leave, the rows of the exact blocks that hold no flagged row included."""
     shape = (1, 2, 70, 70, 16, 16)
     query, key, value = (t.detach() for t in make_inputs(*shape, torch.float32)[0])
     config = _flag_test_config()
     config = triton_configs.LaunchConfig(fwd=config.fwd._replace(block_m=forward, block_n=forward),
-                                         dkdv=config.dkdv._replace(block_m=16, block_n=backward),
-                                         dq=config.dq._replace(block_m=backward, block_n=16))  # fmt: skip
-    flagged_block, slabs = 1, shape[0] * shape[1]  # the forward's query block and key tile 1 of every (batch, head)
+                                         dkdv=config.dkdv._replace(block_m=16, block_n=backward, exact_block=exact_block),
+                                         dq=config.dq._replace(block_m=backward, block_n=16, exact_block=exact_block))  # fmt: skip
+    flagged_block, slabs = 2, shape[0] * shape[1]  # the forward's query block and key tile 2 of every (batch, head)
     flags = [torch.tensor([int(block % (count // slabs) == flagged_block) for block in range(count)],
                           dtype=torch.int32, device=DEVICE)
              for count in triton_module.exact_block_counts(query, key, config)]  # fmt: skip

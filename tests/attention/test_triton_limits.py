@@ -147,6 +147,25 @@ def test_each_gpu_runs_its_familys_table_and_unknown_ones_the_conservative_one()
     assert triton_configs.launch_config(torch.bfloat16, 64, 64, (7, 5)) is None
 
 
+@pytest.mark.parametrize("kernel, exact_block", [("dkdv", 48), ("dq", 128), ("fwd", 32)])
+def test_an_exact_block_divides_a_backward_kernel_s_fixed_block(kernel, exact_block):
+    """``KernelConfig.exact_block`` is a backward kernel's alone (the forward's exact pass reads the flags its first
+    pass wrote for its own blocks), and divides the first pass's fixed block: planned calls refuse any other, before a
+    launch. The tables set none that breaks it."""
+    config = triton_configs.INTERPRETER_CONFIG  # blocks of 64
+    bad = config._replace(**{kernel: getattr(config, kernel)._replace(exact_block=exact_block)})
+    q = torch.zeros(1, 2, 8, 16)
+    with pytest.raises(ValueError, match=f"exact_block={exact_block} must divide a backward kernel's fixed block"):
+        triton_module.call_plan(q, q, q, q, (1.5, 2.5), True, 0, False, False, False, 1e-6, bad, False)
+    fixed = {"dkdv": "block_n", "dq": "block_m"}
+    for (generation, kind), table in triton_configs.CONFIGS.items():
+        for launch in table.values():
+            assert launch.fwd.exact_block == 0
+            assert all(getattr(launch, name).exact_block == 0
+                       or getattr(getattr(launch, name), field) % getattr(launch, name).exact_block == 0
+                       for name, field in fixed.items())  # fmt: skip
+
+
 def test_mismatched_dtypes_leave_the_kernels(gpu):
     with gpu((8, 0)):
         q, k, v, _ = cuda_inputs(dtype=torch.bfloat16)
