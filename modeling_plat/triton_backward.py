@@ -22,8 +22,7 @@ from .triton_tiles import (
     EXACT_ALONE, EXACT_PASS, FIRST_PASS, FLOAT32_DOT, LN_2, any_set, class_exponent, close_bounds, distances,
     exact_dot, fixed_documents, float32_scalars, forward_flagged, jit, key_loop_bounds, load_rows, load_vector,
     masked_scores, pair_dot, pass_block_start, per_query, power, program_ids, query_loop_bounds, row_ptrs, row_sums,
-    row_sums_init,
-    rows_from, runs_head, slab_rows, squared_norms, store_rows, tile_start, times_minus_two, tl,
+    row_sums_init, rows_from, runs_head, slab_rows, squared_norms, store_rows, tile_start, times_minus_two, tl,
 )  # fmt: skip
 
 
