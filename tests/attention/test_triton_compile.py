@@ -14,13 +14,15 @@ clones that torch.compile's functionalization writes back would overwrite each o
 directory, so that nothing compiled before can hide a failure; the compilation starts with the first attention test
 (conftest.py).
 
-By default a sample (``SAMPLE``, 234 kernel passes): on sm_80 and sm_90 every padded head size each dtype is admitted
+By default a sample (``SAMPLE``, 242 kernel passes): on sm_80 and sm_90 every padded head size each dtype is admitted
 at, every kernel and pass of each dtype, each side of every branch (causal, a sliding window, key padding, packed
 documents, euler, each class of the power, one p and two in a launch, lengths that are not multiples of 16, Nq < Nk,
 a value size of its own, q, k and v tokens-major as a model's projections give them) and the configuration that failed
 on an H200; the paper's two p in one launch of the exact
 passes alone (small calls) on every architecture; on sm_100 (its own table) the first passes at every padded head size
-of each dtype and every pass at head size 256; on sm_120 every pass at head size 256 and a few first passes.
+of each dtype and every pass at head size 256; on sm_120 every pass at head size 256 and a few first passes; and the
+launch configurations that benchmarks/gpu_check.py's kernels section measures beside the adopted ones at head size 256
+on sm_90 (``CONFIG_VARIANTS``: the kernels each changes, under every branch with a window).
 ``-m kernels`` compiles the full matrix (``FULL_MATRIX``, about 11,200 kernels, one child process per core): every
 head size from 16 to 256 with every branch on sm_80, sm_86, sm_87, sm_89, sm_90, sm_100, sm_103, sm_120 and sm_121;
 at head sizes 64 and 128 on sm_80 and sm_90 every combination of the flags (causal ones with and without a sliding
@@ -40,6 +42,7 @@ from modeling_plat import plap_attention_triton as triton_module
 from modeling_plat import triton_configs
 from modeling_plat.plap_attention_triton import launch_groups
 from modeling_plat.triton_tiles import POWER_ANY, POWER_MINUS_QUARTER, POWER_QUARTER, POWER_QUARTERS
+from gpu_sections.kernels import CONFIG_VARIANTS
 from triton_aot import KERNELS, case_id, case_kernels, case_p
 
 pytestmark = pytest.mark.skipif(triton_module.triton is None, reason="triton is not installed")
@@ -146,7 +149,19 @@ def blackwell_cases():
     ]
 
 
-SAMPLE = [case for arch in SAMPLE_ARCHS for case in sample_cases(arch)] + blackwell_cases()
+def variant_cases():
+    """The launch configurations that benchmarks/gpu_check.py's kernels section measures beside the adopted ones at
+    head size 256 on sm_90 (``CONFIG_VARIANTS``), under every branch with a window: the kernels each changes (split
+    changes only wide's dK/dV)."""
+    adopted = triton_module.launch_config(torch.bfloat16, 256, 256, (9, 0))
+    changed = {"wide": KERNELS, "split": ("dkdv", "dkdv_exact")}
+    return [dict(make_case(90, "bfloat16", 256, flags=dict(ALL_ON, euler=False), p=PAPER_MIX, kernels=kernels,
+                           window=100),
+                 variant=variant, config=[list(fields) for fields in CONFIG_VARIANTS[variant][1](adopted)])
+            for variant, kernels in changed.items()]  # fmt: skip
+
+
+SAMPLE = [case for arch in SAMPLE_ARCHS for case in sample_cases(arch)] + blackwell_cases() + variant_cases()
 
 
 def full_matrix():

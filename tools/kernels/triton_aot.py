@@ -63,6 +63,7 @@ def case_id(case):
     window += "float64-scalars-" if case.get("float64_scalars") else ""
     window += "alone-" if case.get("alone") else ""
     window += "tokens-major-" if case.get("tokens_major") else ""
+    window += f"{case['variant']}-" if case.get("variant") else ""
     return (
         f"sm{case['arch']}-{case['dtype']}-d{case['head_dim']}-dv{case['value_dim']}-{flags}{window}"
         f"{'euler' if case['euler'] else 'paper'}-p{'+'.join(f'{p:g}' for p in sorted(set(case_p(case))))}"
@@ -90,13 +91,23 @@ def launches(triton_module, case):
     query, key, value = rows(nq, d), rows(nk, d), rows(nk, dv)
     key_keep = torch.ones(batch, nk, dtype=torch.int8) if case["key_mask"] else None
     documents = torch.zeros(batch, nk, 3, dtype=torch.int32) if case.get("documents") else None
-    config = triton_module.launch_config(dtype, d, dv, (case["arch"] // 10, case["arch"] % 10))
+    config = case_config(triton_module, case)
     flags = (case_p(case), case["is_causal"], case.get("window", 0), 1e-6, case["euler"], config,
              case.get("alone", False))  # fmt: skip
     outputs, forward = triton_module.forward_plan(query, key, value, key_keep, documents, *flags)
     grad_out = torch.zeros_like(outputs[0])
     _, backward = triton_module.backward_plan(grad_out, query, key, value, key_keep, documents, *outputs, *flags)
     return [(kernel_name(triton_module, launch), launch) for launch in (*forward, *backward)]
+
+
+def case_config(triton_module, case):
+    """The LaunchConfig a case compiles: its ``config`` (each kernel's KernelConfig fields, as lists) where it names
+    one, a configuration measured beside the adopted ones (its ``variant``), else the adopted one of its GPU."""
+    if "config" in case:
+        kernel_config = triton_module.KernelConfig
+        return triton_module.LaunchConfig(*(kernel_config(*fields) for fields in case["config"]))
+    capability = (case["arch"] // 10, case["arch"] % 10)
+    return triton_module.launch_config(DTYPES[case["dtype"]], case["head_dim"], case["value_dim"], capability)
 
 
 def kernel_name(triton_module, launch):
