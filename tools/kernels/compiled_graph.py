@@ -24,7 +24,7 @@ from types import SimpleNamespace
 
 import torch
 
-from triton_aot import DTYPES, case_id, case_p, kernel_name, launches
+from triton_aot import DTYPES, case_config, case_id, case_p, kernel_name, launches
 
 # A first pass and an exact pass per kernel (lengths above ONE_PASS_PAIRS' at 2 x 3 heads), with the paper's two p;
 # every branch and euler; a small call, whose kernels run their exact passes alone.
@@ -59,7 +59,7 @@ def call_inputs(case):
         document_ids=torch.arange(nk).div(nk // 2 + 1, rounding_mode="floor").expand(2, nk) if case.get("documents")
         else None,
         formulation="euler" if case["euler"] else "paper",
-        config=triton_module.launch_config(dtype, d, dv, (case["arch"] // 10, case["arch"] % 10)),
+        config=case_config(triton_module, case),
     )  # fmt: skip
     return (query, key, value), kwargs
 
